@@ -1,0 +1,418 @@
+"""The ``spoolq`` command: parse arguments, call ``Spool``, print.
+
+Exit status: 0 success; 1 the request could not be done (unknown id,
+duplicate id, job not cancellable, disk errors); 2 usage or invalid input.
+Errors are one line on stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any, NoReturn
+
+import click
+
+from . import config, record
+from .protocol import SpoolError
+from .record import InvalidJob
+from .spool import DuplicateId, Spool
+
+STATE_CHOICE = click.Choice(["new", "cur", "failed", "dead", "done"])
+
+
+def fail(message: str, code: int = 1) -> NoReturn:
+    click.echo(f"spoolq: {message}", err=True)
+    sys.exit(code)
+
+
+def _duration(ctx, param, value):
+    if value is None:
+        return None
+    try:
+        return record.parse_duration(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+def _json_arg(text: str, what: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        fail(f"{what} is not valid JSON: {e}", 2)
+
+
+class SpoolGroup(click.Group):
+    """Turns the core's exceptions into one-line messages and exit codes."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except (InvalidJob, config.ConfigError) as e:
+            fail(str(e), 2)
+        except DuplicateId as e:
+            fail(str(e), 1)
+        except SpoolError as e:
+            fail(str(e), 1)
+        except BrokenPipeError:
+            # The reader went away (``spoolq list | head``): stop quietly.
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            sys.exit(141)
+        except PermissionError as e:
+            fail(f"permission denied: {e.filename or e}", 1)
+        except OSError as e:
+            where = f": {e.filename}" if e.filename else ""
+            fail(f"{e.strerror or e}{where}", 1)
+        except KeyboardInterrupt:
+            fail("interrupted", 130)
+
+
+@click.group(cls=SpoolGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("-s", "--spool", "spool_dir", envvar="SPOOLQ_DIR", default="spool", show_default=True,
+              help="The spool directory (else $SPOOLQ_DIR, else ./spool).")
+@click.version_option(package_name="spoolq")
+@click.pass_context
+def cli(ctx: click.Context, spool_dir: str) -> None:
+    """A background job queue that is nothing but a directory."""
+    ctx.obj = Spool(spool_dir)
+
+
+def _spool(ctx: click.Context) -> Spool:
+    return ctx.find_root().obj
+
+
+def _existing(ctx: click.Context) -> Spool:
+    spool = _spool(ctx)
+    if not spool.dir.exists():
+        fail(f"no spool at {spool.path} (create it with 'spoolq init' or enqueue a job)", 1)
+    return spool
+
+
+# --------------------------------------------------------------------------
+
+
+@cli.command()
+@click.option("--group", help="Share the spool with this group (folders 0770 + setgid, files 0660).")
+@click.pass_context
+def init(ctx, group):
+    """Create the spool layout (idempotent)."""
+    spool = _spool(ctx)
+    spool.init(group=group)
+    click.echo(spool.path)
+
+
+@cli.command(context_settings={"ignore_unknown_options": False})
+@click.argument("args", nargs=-1)
+@click.option("--argv", "use_argv", is_flag=True, help="Run ARGS directly as PROG ARG... (put them after --).")
+@click.option("--kind", help="A Python handler job of this kind.")
+@click.option("--payload", help="JSON handed to the handler, or to the process on stdin.")
+@click.option("--json", "job_json", metavar="JSON", help="A whole job object ('-' reads stdin).")
+@click.option("--jsonl", "jsonl", metavar="FILE", help="One job object per line ('-' reads stdin).")
+@click.option("--id", "job_id", help="The job id (default: a fresh, time-ordered one).")
+@click.option("--max-attempts", type=click.IntRange(min=1), help="Runs before the job goes to dead/.")
+@click.option("--timeout", type=click.FloatRange(min=0), help="Seconds before a run is killed.")
+@click.option("--in", "delay", callback=_duration, metavar="DURATION", help="Run after this delay (90, 5m, 2h, 7d).")
+@click.option("--at", "at", metavar="TIME", help="Run at this time (RFC 3339 or epoch seconds).")
+@click.option("--env", "env", multiple=True, metavar="K=V", help="Add to the job's environment (repeatable).")
+@click.option("--cwd", help="Working directory of the run.")
+@click.pass_context
+def enqueue(ctx, args, use_argv, kind, payload, job_json, jsonl, job_id, max_attempts, timeout, delay, at, env, cwd):
+    """Enqueue a job and print its id.
+
+    \b
+      spoolq enqueue 'make report'
+      spoolq enqueue --argv -- convert in.png out.jpg
+      spoolq enqueue --kind send_email --payload '{"to": "a@example.com"}'
+      spoolq enqueue --json '{"command": "true", "max_attempts": 3}'
+      spoolq enqueue --jsonl jobs.jsonl
+    """
+    spool = _spool(ctx)
+    forms = [bool(args) and not use_argv, use_argv, kind is not None, job_json is not None, jsonl is not None]
+    if sum(forms) != 1:
+        fail("give exactly one of: a shell command, --argv -- PROG ARG..., --kind K, --json JSON, --jsonl FILE", 2)
+    if delay is not None and at is not None:
+        fail("give --in or --at, not both", 2)
+    options: dict[str, Any] = {}
+    if payload is not None:
+        options["payload"] = _json_arg(payload, "--payload")
+    if job_id is not None:
+        options["id"] = job_id
+    if max_attempts is not None:
+        options["max_attempts"] = max_attempts
+    if timeout is not None:
+        options["timeout"] = timeout
+    if delay is not None:
+        options["run_at"] = time.time() + delay
+    if at is not None:
+        try:
+            options["run_at"] = record.parse_time(at)
+        except ValueError as e:
+            fail(f"--at: {e}", 2)
+    if env:
+        pairs = {}
+        for item in env:
+            k, sep, v = item.partition("=")
+            if not sep or not k:
+                fail(f"--env needs K=V, not {item!r}", 2)
+            pairs[k] = v
+        options["env"] = pairs
+    if cwd is not None:
+        options["cwd"] = cwd
+
+    if jsonl is not None:
+        if job_id is not None:
+            fail("--id cannot apply to many jobs; put an id in each line", 2)
+        jobs = list(_read_jsonl(jsonl, options))
+        for jid in spool.enqueue_many(jobs):
+            click.echo(jid)
+        return
+    if job_json is not None:
+        text = sys.stdin.read() if job_json == "-" else job_json
+        fields = _json_arg(text, "--json")
+        if not isinstance(fields, dict):
+            fail("--json must be a JSON object", 2)
+        fields.update(options)
+    elif use_argv:
+        if not args:
+            fail("--argv needs PROG [ARG...] after --", 2)
+        fields = {"argv": list(args), **options}
+    elif kind is not None:
+        if args:
+            fail("--kind takes no command arguments (use --payload)", 2)
+        fields = {"kind": kind, **options}
+    else:
+        if len(args) != 1:
+            fail("give the shell command as one quoted argument, or use --argv -- PROG ARG...", 2)
+        fields = {"command": args[0], **options}
+    click.echo(spool.enqueue_job(fields))
+
+
+def _read_jsonl(source: str, options: dict[str, Any]):
+    try:
+        stream = sys.stdin if source == "-" else open(source, encoding="utf-8")
+    except OSError as e:
+        fail(f"cannot read {source}: {e.strerror}", 2)
+    with stream:
+        for lineno, line in enumerate(stream, 1):
+            if not line.strip():
+                continue
+            try:
+                fields = json.loads(line)
+            except ValueError as e:
+                fail(f"line {lineno}: not valid JSON: {e}", 2)
+            if not isinstance(fields, dict):
+                fail(f"line {lineno}: not a JSON object", 2)
+            fields.update(options)
+            yield fields
+
+
+@cli.command()
+@click.option("-j", "--jobs", type=click.IntRange(min=1), default=1, show_default=True, help="Jobs to run at once.")
+@click.option("--max-jobs", type=click.IntRange(min=0), help="Stop after claiming this many jobs.")
+@click.option("--max-time", callback=_duration, metavar="DURATION", help="Stop claiming after this long.")
+@click.option("--app", metavar="MODULE:ATTR", help="A mapping of kind to handler function.")
+@click.option("--watch", is_flag=True, help="Keep running and wake on new files.")
+@click.option("--poll", type=click.FloatRange(min=0.01), metavar="SECONDS",
+              help="Watch by rescanning every SECONDS (no inotify; for network filesystems). Implies --watch.")
+@click.option("-q", "--quiet", is_flag=True, help="Log only problems (dead jobs, errors).")
+@click.option("-v", "--verbose", is_flag=True, help="Log scans and claims as well.")
+@click.pass_context
+def work(ctx, jobs, max_jobs, max_time, app, watch, poll, quiet, verbose):
+    """Recover, then run due jobs until none is due (or forever with --watch)."""
+    from .spool import load_app
+    from .worker import Log
+
+    spool = _spool(ctx)
+    handlers = {}
+    if app:
+        try:
+            handlers = load_app(app)
+        except ValueError as e:
+            fail(str(e), 2)
+    log = Log(sys.stderr, level=0 if quiet else 2 if verbose else 1)
+    from .worker import Worker
+
+    spool._open(create=True)
+    worker = Worker(spool, handlers=handlers, jobs=jobs, max_jobs=max_jobs, max_time=max_time,
+                    watch=watch or poll is not None, poll=poll, log=log)
+    worker.run()
+    if worker.failed_to_record:
+        sys.exit(1)
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.option("--prometheus", is_flag=True, help="Print the Prometheus text format.")
+@click.pass_context
+def status(ctx, as_json, prometheus):
+    """Jobs per state and the live workers."""
+    spool = _existing(ctx)
+    if prometheus:
+        from .metrics import prometheus_text
+
+        click.echo(prometheus_text(spool), nl=False)
+        return
+    counts = spool.status()
+    if as_json:
+        click.echo(json.dumps(counts))
+        return
+    for state in ("new", "cur", "failed", "dead"):
+        click.echo(f"{state:<8}{counts[state]:>10}")
+    click.echo(f"{'done':<8}{counts['done']:>10}  ({counts['done_files']} in done/, {counts['compacted']} compacted)")
+    workers = counts["workers"]
+    click.echo(f"{'workers':<8}{len(workers):>10}")
+    for w in workers:
+        running = ", ".join(w.get("jobs") or {}) or "idle"
+        click.echo(f"  {w.get('worker')}  pid {w.get('pid')}  since {w.get('started_at')}  running: {running}")
+
+
+def _summary(job: dict[str, Any]) -> str:
+    target = job.get("command") or (" ".join(job["argv"]) if job.get("argv") else None) or (
+        f"kind={job['kind']}" if job.get("kind") else "")
+    when = job.get("due_at") or job.get("finished_at") or job.get("mtime") or ""
+    attempts = job.get("attempts", "-")
+    error = job.get("error") or ""
+    line = f"{job['state']:<7} {job['id']:<32} {when:<28} {attempts!s:>3}  {target}"
+    if error:
+        line += f"  [{error}]"
+    return line
+
+
+@cli.command(name="list")
+@click.option("--state", type=STATE_CHOICE, help="Only jobs in this state.")
+@click.option("--limit", type=click.IntRange(min=0), help="At most this many jobs.")
+@click.option("--since", callback=_duration, metavar="DURATION", help="Only jobs due or finished this recently.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON Lines.")
+@click.pass_context
+def list_(ctx, state, limit, since, as_json):
+    """Jobs, oldest first (by due or finish time, then name)."""
+    spool = _existing(ctx)
+    since_ts = time.time() - since if since is not None else None
+    for job in spool.list(state=state, limit=limit, since=since_ts):
+        click.echo(json.dumps(job, ensure_ascii=False) if as_json else _summary(job))
+
+
+@cli.command()
+@click.argument("job_id", metavar="ID")
+@click.option("--json", "as_json", is_flag=True, help="Print the record as JSON.")
+@click.pass_context
+def show(ctx, job_id, as_json):
+    """One job's record, wherever it is (compacted jobs included)."""
+    spool = _existing(ctx)
+    job = spool.get(job_id)
+    if job is None:
+        fail(f"no job {job_id} in this spool", 1)
+    if as_json:
+        click.echo(json.dumps(job, ensure_ascii=False, indent=2))
+        return
+    for key, value in job.items():
+        if key in ("stdout", "stderr") and isinstance(value, str):
+            click.echo(f"{key}:")
+            for line in value.rstrip("\n").splitlines():
+                click.echo(f"  | {line}")
+        elif key == "history" and isinstance(value, list):
+            click.echo("history:")
+            for h in value:
+                click.echo("  - " + " ".join(f"{k}={v}" for k, v in h.items()) if isinstance(h, dict) else f"  - {h}")
+        else:
+            click.echo(f"{key}: {value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)}")
+
+
+@cli.command()
+@click.argument("job_id", metavar="ID")
+@click.pass_context
+def cancel(ctx, job_id):
+    """Cancel a waiting job (new/ or failed/ -> done/, outcome cancelled)."""
+    from .transitions import JobNotFound, NotPossible
+
+    spool = _existing(ctx)
+    try:
+        spool.cancel(job_id, check=True)
+    except (JobNotFound, NotPossible) as e:
+        fail(str(e), 1)
+    click.echo(f"cancelled {job_id}")
+
+
+@cli.command()
+@click.argument("job_ids", nargs=-1, metavar="ID...")
+@click.option("--all", "all_", is_flag=True, help="Every job in dead/.")
+@click.pass_context
+def retry(ctx, job_ids, all_):
+    """Move dead jobs back to new/ with a fresh round of attempts."""
+    _retry(ctx, job_ids, all_)
+
+
+def _retry(ctx, job_ids, all_):
+    from .transitions import JobNotFound, NotPossible
+
+    spool = _existing(ctx)
+    if all_ == bool(job_ids):
+        fail("give job ids or --all", 2)
+    if all_:
+        for jid in spool.retry_all():
+            click.echo(jid)
+        return
+    problems = 0
+    for jid in job_ids:
+        try:
+            spool.retry(jid, check=True)
+            click.echo(jid)
+        except (JobNotFound, NotPossible) as e:
+            click.echo(f"spoolq: {e}", err=True)
+            problems += 1
+    if problems:
+        sys.exit(1)
+
+
+@cli.command()
+@click.pass_context
+def sweep(ctx):
+    """Recovery alone: return abandoned jobs from cur/, remove stale tmp/ files."""
+    spool = _existing(ctx)
+    r = spool.sweep()
+    click.echo(
+        f"recovered {r.recovered} to failed/, {r.dead} to dead/, completed {r.completed}, "
+        f"quarantined {r.quarantined}, killed {r.killed} processes, removed {r.tmp_removed} tmp/ files"
+    )
+
+
+@cli.group(name="config", cls=SpoolGroup)
+def config_group():
+    """Spool settings (config.json)."""
+
+
+@config_group.command(name="list")
+@click.pass_context
+def config_list(ctx):
+    """Every setting with its value."""
+    for key, value in _spool(ctx).config_list().items():
+        click.echo(f"{key} = {json.dumps(value)}")
+
+
+@config_group.command(name="get")
+@click.argument("key")
+@click.pass_context
+def config_get(ctx, key):
+    """One setting's value."""
+    click.echo(json.dumps(_spool(ctx).config_get(key)))
+
+
+@config_group.command(name="set", context_settings={"ignore_unknown_options": True})
+@click.argument("key")
+@click.argument("value")
+@click.pass_context
+def config_set(ctx, key, value):
+    """Store a setting (validated)."""
+    stored = _spool(ctx).config_set(key, value)
+    click.echo(f"{key} = {json.dumps(stored)}")
+
+
+def main() -> None:
+    cli(prog_name="spoolq")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+"""Spool settings: ``config.json`` at the spool root, with defaults.
+
+A job's own field (``max_attempts``, ``timeout``) beats the spool setting.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+DEFAULTS: dict[str, Any] = {
+    "max_attempts": 5,
+    "backoff_initial": 60,
+    "backoff_factor": 2,
+    "backoff_max": 3600,
+    "timeout": 0,
+    "timeout_grace": 5,
+    "fsync": True,
+    "output_limit": 8192,
+    "max_job_bytes": 1048576,
+    "trusted_users": [],
+    "compact_after": 10000,
+    "rescan_interval": 30,
+}
+
+HELP = {
+    "max_attempts": "runs before a failing job goes to dead/ (integer >= 1)",
+    "backoff_initial": "seconds to wait after the first failed run",
+    "backoff_factor": "each further failure multiplies the wait by this (>= 1)",
+    "backoff_max": "the longest wait between runs, in seconds",
+    "timeout": "seconds before a run is killed; 0 means no limit",
+    "timeout_grace": "seconds between SIGTERM and SIGKILL when a run times out",
+    "fsync": "make enqueues and outcomes durable against power loss",
+    "output_limit": "bytes of stdout and of stderr kept in the record (the tail)",
+    "max_job_bytes": "largest job file that is read; larger ones go to dead/",
+    "trusted_users": "users besides the worker's own and root whose job files run",
+    "compact_after": "fold done/ into index.db when it holds more files (0 = never)",
+    "rescan_interval": "seconds between full rescans in watch mode",
+}
+
+
+class ConfigError(ValueError):
+    """A bad key or value; the message says which and why."""
+
+
+def _number(key: str, value: Any, minimum: float, integer: bool = False, above: bool = False) -> int | float:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise ConfigError(f"{key} must be a number, not {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{key} must be a number, not {value!r}")
+    if integer:
+        if isinstance(value, float):
+            if not value.is_integer():
+                raise ConfigError(f"{key} must be a whole number, not {value!r}")
+            value = int(value)
+    if value < minimum or (above and value == minimum):
+        op = ">" if above else ">="
+        raise ConfigError(f"{key} must be {op} {minimum:g}, not {value!r}")
+    return value
+
+
+def _bool(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "on", "yes", "1"):
+        return True
+    if isinstance(value, str) and value.strip().lower() in ("false", "off", "no", "0"):
+        return False
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise ConfigError(f"{key} must be true or false, not {value!r}")
+
+
+def _users(key: str, value: Any) -> list[str]:
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("["):
+            try:
+                value = json.loads(text)
+            except ValueError:
+                raise ConfigError(f"{key} must be a list of user names") from None
+        else:
+            value = [u.strip() for u in text.split(",") if u.strip()]
+    if not isinstance(value, list) or not all(isinstance(u, (str, int)) and not isinstance(u, bool) for u in value):
+        raise ConfigError(f"{key} must be a list of user names or uids")
+    return [str(u) for u in value]
+
+
+def check(key: str, value: Any) -> Any:
+    """Validate one setting and return it in its stored type."""
+    if key not in DEFAULTS:
+        known = ", ".join(sorted(DEFAULTS))
+        raise ConfigError(f"unknown setting {key!r} (known: {known})")
+    if key == "max_attempts":
+        return _number(key, value, 1, integer=True)
+    if key in ("output_limit", "compact_after"):
+        return _number(key, value, 0, integer=True)
+    if key == "max_job_bytes":
+        return _number(key, value, 1, integer=True)
+    if key == "backoff_factor":
+        return _number(key, value, 1)
+    if key == "rescan_interval":
+        return _number(key, value, 0, above=True)
+    if key in ("backoff_initial", "backoff_max", "timeout", "timeout_grace"):
+        return _number(key, value, 0)
+    if key == "fsync":
+        return _bool(key, value)
+    if key == "trusted_users":
+        return _users(key, value)
+    raise AssertionError(key)
+
+
+def load(root: str) -> dict[str, Any]:
+    """The spool's settings: config.json over the defaults. A broken file is
+    an error (a worker must not run with settings nobody chose)."""
+    settings = dict(DEFAULTS)
+    path = os.path.join(root, "config.json")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(1 << 20)
+    except FileNotFoundError:
+        return settings
+    except OSError as e:
+        raise ConfigError(f"cannot read {path}: {e.strerror}") from None
+    try:
+        stored = json.loads(raw or b"{}")
+    except ValueError as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(stored, dict):
+        raise ConfigError(f"{path} must hold a JSON object")
+    for key, value in stored.items():
+        try:
+            settings[key] = check(key, value)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
+    return settings
+
+
+def read_stored(root: str) -> dict[str, Any]:
+    """Only the settings written in config.json (no defaults)."""
+    path = os.path.join(root, "config.json")
+    try:
+        with open(path, "rb") as f:
+            stored = json.loads(f.read(1 << 20) or b"{}")
+    except FileNotFoundError:
+        return {}
+    except ValueError as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(stored, dict):
+        raise ConfigError(f"{path} must hold a JSON object")
+    return stored
+
+
+def dumps(stored: dict[str, Any]) -> bytes:
+    return (json.dumps(stored, indent=2, sort_keys=True) + "\n").encode()
+
+
+def backoff(settings: dict[str, Any], failures: int, jitter: float) -> float:
+    """Seconds to wait after the ``failures``-th failed run:
+    ``min(backoff_max, initial * factor**(failures-1))`` times ``1 + jitter``
+    (jitter in [-0.1, 0.1], applied after the cap; zero stays zero)."""
+    initial = float(settings["backoff_initial"])
+    factor = float(settings["backoff_factor"])
+    cap = float(settings["backoff_max"])
+    try:
+        delay = initial * factor ** max(0, failures - 1)
+    except OverflowError:
+        delay = math.inf
+    delay = min(cap, delay)
+    return max(0.0, delay * (1.0 + jitter))

@@ -1,0 +1,136 @@
+"""Knowing a process again after its parent died, and killing it without
+ever hitting an unrelated process that reused its pid.
+
+A process is identified by (boot id, pid, start time in clock ticks since
+boot), all read from /proc. A run's processes are found two ways: by the
+process group the runner made for it (members started after its leader), and
+by the ``SPOOLQ_WORKER`` variable every job process inherits (which also
+catches a process that left the group with ``setsid``). Each candidate is
+signalled through a pidfd opened *before* its start time is checked again, so
+the signal can only reach the process that was checked.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+_boot_id: str | None = None
+
+
+def boot_id() -> str:
+    """This boot's random id (empty where /proc does not have it)."""
+    global _boot_id
+    if _boot_id is None:
+        try:
+            with open("/proc/sys/kernel/random/boot_id") as f:
+                _boot_id = f.read().strip()
+        except OSError:
+            _boot_id = ""
+    return _boot_id
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    # The command name may contain spaces and parentheses: split after the last ')'.
+    rest = data[data.rfind(b")") + 2 :].split()
+    return [x.decode() for x in rest]
+
+
+def start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot, or None if gone."""
+    fields = _stat_fields(pid)
+    if fields is None or len(fields) < 20:
+        return None
+    return int(fields[19])  # field 22 of /proc/pid/stat
+
+
+def _describe(pid: int) -> tuple[str, int, int] | None:
+    """(state, pgid, start time) of a live process."""
+    fields = _stat_fields(pid)
+    if fields is None or len(fields) < 20:
+        return None
+    return fields[0], int(fields[2]), int(fields[19])
+
+
+def _has_env(pid: int, needle: bytes) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = f.read()
+    except OSError:
+        return False
+    return needle in env.split(b"\0")
+
+
+def find_run_processes(worker_id: str, pgid: int | None, leader_start: int | None) -> list[tuple[int, int]]:
+    """Live (pid, start time) of a dead worker's job processes: members of
+    the run's process group started no earlier than its leader, and any
+    process carrying ``SPOOLQ_WORKER=<worker_id>`` in its environment."""
+    me = os.getpid()
+    needle = f"SPOOLQ_WORKER={worker_id}".encode()
+    found = []
+    try:
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return []
+    for pid in pids:
+        if pid == me:
+            continue
+        desc = _describe(pid)
+        if desc is None:
+            continue
+        state, proc_pgid, started = desc
+        if state in ("Z", "X"):
+            continue
+        in_group = pgid is not None and leader_start is not None and proc_pgid == pgid and started >= leader_start
+        if in_group or _has_env(pid, needle):
+            found.append((pid, started))
+    return found
+
+
+def kill_verified(pid: int, started: int, sig: int = signal.SIGKILL) -> bool:
+    """Send ``sig`` to ``pid`` only if it is still the process that started
+    at ``started``. Returns whether a signal was sent."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except (OSError, AttributeError):
+        pidfd = None
+    try:
+        if start_time(pid) != started:
+            return False
+        if pidfd is not None:
+            signal.pidfd_send_signal(pidfd, sig)
+        else:  # no pidfd here: the window between check and kill is microseconds
+            os.kill(pid, sig)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return False
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
+
+
+def kill_run(worker_id: str, worker_boot: str, pgid: int | None, leader_start: int | None) -> int:
+    """Kill every process left from a dead worker's run; return how many.
+
+    Nothing is killed when the worker ran in an earlier boot (its processes
+    died with that boot)."""
+    if worker_boot and worker_boot != boot_id():
+        return 0
+    killed = 0
+    for _ in range(50):  # a process may fork while we kill; repeat until none is left
+        found = find_run_processes(worker_id, pgid, leader_start)
+        if not found:
+            break
+        for pid, started in found:
+            if kill_verified(pid, started):
+                killed += 1
+        time.sleep(0.01)  # give the kernel a moment to reap what we killed
+    return killed

@@ -1,0 +1,821 @@
+"""The on-disk protocol: the only module that knows paths, names, locks, fsync
+and renames.
+
+A spool is a directory; a job is a file; a job's state is the folder its file
+is in. Every change of state is one ``rename(2)`` that never replaces a file,
+so a crash at any instant leaves every job in exactly one folder. A file in
+``cur/`` is always held by an exclusive ``flock`` of the worker running it;
+the kernel drops the lock when that worker dies, which is how recovery tells
+an abandoned job from a running one.
+
+Everything here works on directory file descriptors (``*at`` calls), so a
+worker never re-resolves the spool path per job and never follows a symlink
+inside the spool.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import heapq
+import os
+import re
+import stat
+import threading
+import time
+from typing import Iterator, NamedTuple
+
+STATES = ("new", "cur", "failed", "dead", "done")
+WAITING = ("new", "failed")
+FOLDERS = ("tmp",) + STATES + ("workers",)
+
+#: A record rewritten in place must fit in one page: the kernel copies a
+#: write page by page and checks for SIGKILL between pages, so a write that
+#: stays within the first page is all-or-nothing for a killed process.
+IN_PLACE_LIMIT = 4096
+
+TMP_MAX_AGE = 36 * 3600  # Maildir's rule: a tmp/ file this old is abandoned.
+
+_ID_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}\Z")
+
+
+class SpoolError(Exception):
+    """A problem with the spool itself (layout, permissions, filesystem)."""
+
+
+class Busy(Exception):
+    """The file is locked by someone else."""
+
+
+class Gone(Exception):
+    """The file moved away or was replaced before we could hold it."""
+
+
+class NotRegular(Exception):
+    """The entry is not a regular file (symlink, FIFO, directory, device)."""
+
+    def __init__(self, kind: str):
+        super().__init__(kind)
+        self.kind = kind
+
+
+class Exists(Exception):
+    """The destination name is taken."""
+
+
+# --------------------------------------------------------------------------
+# ids and names
+
+
+def id_problem(job_id: object) -> str | None:
+    """Why ``job_id`` is not a valid id, or None if it is."""
+    if not isinstance(job_id, str):
+        return "id must be a string"
+    if not _ID_RE.match(job_id):
+        if job_id.startswith("."):
+            return f"id {job_id!r} starts with a dot"
+        if "/" in job_id:
+            return f"id {job_id!r} contains '/'"
+        return f"id {job_id!r} is not 1-128 characters of A-Z a-z 0-9 . _ -"
+    if ".." in job_id:
+        return f"id {job_id!r} contains '..'"
+    return None
+
+
+def id_of(name: str) -> str:
+    """The job id that a file name stands for: the name without ``.json``."""
+    return name[:-5] if name.endswith(".json") and len(name) > 5 else name
+
+
+def file_name(job_id: str) -> str:
+    return job_id + ".json"
+
+
+def duplicate_name(name: str) -> str:
+    """A fresh name for a second file claiming an id that is taken: the id
+    with a random ``.dup-XXXXXXXX`` suffix (still a valid id)."""
+    base = id_of(name)[:110]
+    ext = ".json" if name.endswith(".json") else ""
+    return f"{base}.dup-{os.urandom(4).hex()}{ext}"
+
+
+_last_us = 0
+_id_lock = threading.Lock()
+
+
+def new_id() -> str:
+    """A fresh id: microseconds since the epoch in hex, then 64 random bits.
+
+    Ids sort in creation order (strictly within a process, to the microsecond
+    across processes) and are unique across processes and hosts by the random
+    part, with no coordination.
+    """
+    global _last_us
+    with _id_lock:
+        us = time.time_ns() // 1000
+        if us <= _last_us:
+            us = _last_us + 1
+        _last_us = us
+    return f"{us:014x}.{os.urandom(8).hex()}"
+
+
+# --------------------------------------------------------------------------
+# renames that never replace
+
+
+_renameat2 = None
+_renameat2_state = 0  # 0 unknown, 1 available, -1 unsupported here
+
+
+def _load_renameat2():
+    global _renameat2, _renameat2_state
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        func = libc.renameat2
+        func.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+        func.restype = ctypes.c_int
+        _renameat2 = (func, ctypes.get_errno)
+        _renameat2_state = 1
+    except (OSError, AttributeError):
+        _renameat2_state = -1
+
+
+def rename_noreplace(src_dir: int, src: str, dst_dir: int, dst: str) -> None:
+    """Move ``src`` to ``dst`` unless ``dst`` exists (then raise Exists).
+
+    Uses ``renameat2(RENAME_NOREPLACE)`` where the kernel and filesystem have
+    it, else ``link`` + ``unlink`` (which cannot replace either). Raises
+    FileNotFoundError when ``src`` is gone: a lost race.
+    """
+    if _renameat2_state == 0:
+        _load_renameat2()
+    if _renameat2_state == 1:
+        func, get_errno = _renameat2
+        if func(src_dir, os.fsencode(src), dst_dir, os.fsencode(dst), 1) == 0:
+            return
+        err = get_errno()
+        if err == errno.EEXIST:
+            raise Exists(dst)
+        if err not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+            raise OSError(err, os.strerror(err), src)
+        # This filesystem has no RENAME_NOREPLACE: fall through for good.
+        globals()["_renameat2_state"] = -1
+    try:
+        os.link(src, dst, src_dir_fd=src_dir, dst_dir_fd=dst_dir, follow_symlinks=False)
+    except FileExistsError:
+        raise Exists(dst) from None
+    except PermissionError:
+        # Directories cannot be hard-linked; they only ever go to dead/.
+        st = os.stat(src, dir_fd=src_dir, follow_symlinks=False)
+        if not stat.S_ISDIR(st.st_mode):
+            raise
+        try:
+            os.stat(dst, dir_fd=dst_dir, follow_symlinks=False)
+            raise Exists(dst)
+        except FileNotFoundError:
+            os.rename(src, dst, src_dir_fd=src_dir, dst_dir_fd=dst_dir)
+        return
+    os.unlink(src, dir_fd=src_dir)
+
+
+# --------------------------------------------------------------------------
+# the spool directory
+
+
+class Entry(NamedTuple):
+    """A waiting file found by a scan, in claim order."""
+
+    due_ns: int
+    name: str
+    state: str
+    mode: int = 0  # st_mode seen by the scan (0: unknown)
+
+
+class Scan(NamedTuple):
+    due: list[Entry]  # due now, sorted by (due time, name), at most `limit`
+    next_due_ns: int | None  # earliest due time of the files not due yet
+    truncated: bool  # more due files exist than were returned
+
+
+class SpoolDir:
+    """The folders of one spool, held open as directory descriptors."""
+
+    def __init__(self, root: str, fsync: bool = True):
+        self.root = os.path.abspath(root)
+        self.fsync = fsync
+        self._fds: dict[str, int] = {}
+        self._open_lock = threading.Lock()
+        self.shared = False  # a group-shared spool: files 0660, folders 0770+setgid
+        self._seq = 0
+
+    # -- layout ------------------------------------------------------------
+
+    def path(self, *parts: str) -> str:
+        return os.path.join(self.root, *parts)
+
+    def exists(self) -> bool:
+        return os.path.isdir(self.path("new"))
+
+    def init(self, group: str | None = None) -> None:
+        """Create the layout (idempotent). With ``group``, a shared spool."""
+        self._make_layout(group)
+        self._close_fds()
+        self.open()
+
+    def _make_layout(self, group: str | None) -> None:
+        gid = -1
+        if group is not None:
+            import grp
+
+            try:
+                gid = grp.getgrnam(group).gr_gid
+            except KeyError:
+                try:
+                    gid = grp.getgrgid(int(group)).gr_gid
+                except (KeyError, ValueError):
+                    raise SpoolError(f"no such group: {group}") from None
+        mode = 0o2770 if group is not None else 0o700
+        for folder in ("",) + FOLDERS:
+            path = self.path(folder) if folder else self.root
+            try:
+                os.mkdir(path, mode & 0o777)
+                created = True
+            except FileExistsError:
+                created = False
+            except OSError as e:
+                raise SpoolError(f"cannot create {path}: {e.strerror}") from None
+            st = os.lstat(path)
+            if stat.S_ISLNK(st.st_mode) and folder:
+                raise SpoolError(f"{path} is a symlink; spool folders must be real directories")
+            if not os.path.isdir(path):
+                raise SpoolError(f"{path} exists and is not a directory")
+            if group is not None:
+                os.chown(path, -1, gid)
+                os.chmod(path, mode)
+            elif created:
+                os.chmod(path, mode)
+
+    def open(self, create: bool = False) -> None:
+        """Open the state folders; with ``create``, make the layout first."""
+        if self._fds:
+            return
+        with self._open_lock:
+            if self._fds:
+                return
+            if create and not self.exists():
+                self._make_layout(None)
+            fds = {}
+            try:
+                for folder in FOLDERS:
+                    path = self.path(folder)
+                    try:
+                        fds[folder] = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                    except FileNotFoundError:
+                        if folder == "workers" and create:
+                            os.mkdir(path, 0o700)
+                            fds[folder] = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                        elif folder == "workers":
+                            continue
+                        else:
+                            raise SpoolError(f"{self.root} is not a spool (no {folder}/); run 'spoolq init'") from None
+                    except NotADirectoryError:
+                        raise SpoolError(f"{path} is not a directory") from None
+                    except OSError as e:
+                        if e.errno == errno.ELOOP:
+                            raise SpoolError(f"{path} is a symlink; spool folders must be real directories") from None
+                        raise SpoolError(f"cannot open {path}: {e.strerror}") from None
+                devs = {os.fstat(fd).st_dev for fd in fds.values()}
+                if len(devs) > 1:
+                    raise SpoolError(f"the folders of {self.root} are on different filesystems; rename(2) needs one")
+                root_st = os.stat(self.root)
+                self.shared = bool(root_st.st_mode & stat.S_ISGID and root_st.st_mode & 0o070)
+            except BaseException:
+                for fd in fds.values():
+                    os.close(fd)
+                raise
+            self._fds = fds
+
+    def fd(self, folder: str) -> int:
+        if not self._fds:
+            self.open()
+        try:
+            return self._fds[folder]
+        except KeyError:
+            raise SpoolError(f"{self.root} has no {folder}/ folder; run 'spoolq init'") from None
+
+    def _close_fds(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds = {}
+
+    def close(self) -> None:
+        self._close_fds()
+
+    @property
+    def file_mode(self) -> int:
+        return 0o660 if self.shared else 0o600
+
+    def sync_dir(self, folder: str) -> None:
+        if self.fsync:
+            os.fsync(self.fd(folder))
+
+    def tmp_name(self, base: str) -> str:
+        """A name in tmp/ that no other writer uses."""
+        with self._open_lock:
+            self._seq += 1
+            seq = self._seq
+        return f"{base}.{os.getpid()}.{seq}.{os.urandom(3).hex()}"
+
+    # -- enqueue -----------------------------------------------------------
+
+    def _write_tmp(self, name: str, data: bytes, mtime_ns: int | None) -> tuple[str, int]:
+        """Write ``data`` to a fresh file in tmp/; return its tmp name and open fd."""
+        tmp = self.tmp_name(name)
+        tmp_dir = self.fd("tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, self.file_mode, dir_fd=tmp_dir)
+        try:
+            if self.shared:
+                os.fchmod(fd, self.file_mode)  # the umask may have taken group bits away
+            _write_all(fd, data)
+            if mtime_ns is not None:
+                os.utime(fd, ns=(mtime_ns, mtime_ns))
+            return tmp, fd
+        except BaseException:
+            os.close(fd)
+            _unlink_quietly(tmp_dir, tmp)
+            raise
+
+    def publish(self, name: str, data: bytes, mtime_ns: int | None = None) -> None:
+        """Enqueue: write in tmp/, fsync, move into new/ without replacing,
+        fsync new/. Raises Exists if ``new/name`` is taken. Only when this
+        returns is the job enqueued; on any error no file is left in new/."""
+        tmp_dir = self.fd("tmp")
+        tmp, fd = self._write_tmp(name, data, mtime_ns)
+        try:
+            try:
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            rename_noreplace(tmp_dir, tmp, self.fd("new"), name)
+        except BaseException:
+            _unlink_quietly(tmp_dir, tmp)
+            raise
+        self.sync_dir("new")
+
+    def publish_many(self, items: list[tuple[str, bytes, int | None]]) -> list[str]:
+        """Enqueue many jobs with one sync for all files (group commit).
+
+        Every file is written in tmp/ first; then one ``syncfs`` makes them all
+        durable; then each is moved into new/; then one fsync of new/. Returns
+        the names published. On an error, files not yet published are removed
+        from tmp/ and the exception carries ``published`` (names already in
+        new/)."""
+        tmp_dir = self.fd("tmp")
+        written: list[tuple[str, str]] = []
+        published: list[str] = []
+        try:
+            for name, data, mtime_ns in items:
+                tmp, fd = self._write_tmp(name, data, mtime_ns)
+                written.append((tmp, name))
+                os.close(fd)
+            if self.fsync and written:
+                _syncfs(tmp_dir)
+            new_dir = self.fd("new")
+            for tmp, name in written:
+                rename_noreplace(tmp_dir, tmp, new_dir, name)
+                published.append(name)
+        except BaseException as e:
+            done = set(published)
+            for tmp, name in written:
+                if name not in done:
+                    _unlink_quietly(tmp_dir, tmp)
+            if published:
+                self.sync_dir("new")
+            e.published = published  # type: ignore[attr-defined]
+            raise
+        if published:
+            self.sync_dir("new")
+        return published
+
+    def present_in(self, name: str) -> str | None:
+        """The state folder that holds ``name``, if any (a quick stat each)."""
+        for state in STATES:
+            try:
+                os.stat(name, dir_fd=self.fd(state), follow_symlinks=False)
+                return state
+            except FileNotFoundError:
+                continue
+        return None
+
+    # -- reading -----------------------------------------------------------
+
+    def names(self, folder: str) -> Iterator[str]:
+        """Names in a folder, dot-files left out, in directory order."""
+        with os.scandir(self.fd(folder)) as it:
+            for entry in it:
+                if not entry.name.startswith("."):
+                    yield entry.name
+
+    def count(self, folder: str) -> int:
+        n = 0
+        with os.scandir(self.fd(folder)) as it:
+            for entry in it:
+                if entry.name[0] != ".":
+                    n += 1
+        return n
+
+    def entries(self, folder: str) -> Iterator[tuple[str, os.stat_result]]:
+        """(name, lstat) of each entry of a folder, dot-files left out."""
+        fd = self.fd(folder)
+        for name in self.names(folder):
+            try:
+                yield name, os.stat(name, dir_fd=fd, follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+
+    def lstat(self, folder: str, name: str) -> os.stat_result:
+        return os.stat(name, dir_fd=self.fd(folder), follow_symlinks=False)
+
+    def read(self, folder: str, name: str, limit: int) -> tuple[bytes, os.stat_result]:
+        """Read at most ``limit`` bytes of a regular file without following
+        links or blocking; raise NotRegular for anything else."""
+        dir_fd = self.fd(folder)
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotRegular(kind_of(st.st_mode))
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+        try:
+            fst = os.fstat(fd)
+            if not stat.S_ISREG(fst.st_mode):
+                raise NotRegular(kind_of(fst.st_mode))
+            return _read_upto(fd, limit, fst.st_size), fst
+        finally:
+            os.close(fd)
+
+    def scan(self, now_ns: int, limit: int, states: tuple[str, ...] = WAITING) -> Scan:
+        """List the waiting folders once and return the due files in claim
+        order: by (due time = mtime, name). Memory stays bounded by ``limit``
+        however many files wait; ``truncated`` says a further scan is needed."""
+        due: list[Entry] = []
+        next_due: int | None = None
+        truncated = False
+        cap = 2 * limit
+        for state in states:
+            dir_fd = self.fd(state)
+            with os.scandir(dir_fd) as it:
+                for entry in it:
+                    name = entry.name
+                    if name[0] == ".":
+                        continue
+                    try:
+                        st = entry.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+                    mtime = st.st_mtime_ns
+                    if mtime > now_ns:
+                        if next_due is None or mtime < next_due:
+                            next_due = mtime
+                        continue
+                    due.append(Entry(mtime, name, state, st.st_mode))
+                    if len(due) >= cap:
+                        due = heapq.nsmallest(limit, due)
+                        truncated = True
+        due.sort()
+        if len(due) > limit:
+            del due[limit:]
+            truncated = True
+        return Scan(due, next_due, truncated)
+
+    # -- holding files -----------------------------------------------------
+
+    def hold(self, folder: str, name: str, wait: bool = False, mode: int = 0) -> "Held":
+        """Open and exclusively flock ``folder/name``.
+
+        Raises NotRegular for anything but a regular file (nothing is opened
+        that could block or follow a link), Busy when another process holds
+        the lock, Gone when the name vanished or now names another file.
+        ``mode`` is the st_mode a scan just saw, saving a stat; should the
+        name have become something else since, O_NOFOLLOW|O_NONBLOCK keep
+        the open harmless and the fstat below refuses it."""
+        dir_fd = self.fd(folder)
+        if not mode:
+            mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotRegular(kind_of(mode))
+        flags = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        writable = True
+        try:
+            fd = os.open(name, os.O_RDWR | flags, dir_fd=dir_fd)
+        except PermissionError:
+            fd = os.open(name, os.O_RDONLY | flags, dir_fd=dir_fd)
+            writable = False
+        except OSError as e:
+            if e.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
+                raise NotRegular("special file") from None
+            if e.errno == errno.EROFS:
+                fd = os.open(name, os.O_RDONLY | flags, dir_fd=dir_fd)
+                writable = False
+            else:
+                raise
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise Busy(name) from None
+            fst = os.fstat(fd)
+            if not stat.S_ISREG(fst.st_mode):
+                raise NotRegular(kind_of(fst.st_mode))
+            try:
+                now = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                raise Gone(name) from None
+            if (now.st_ino, now.st_dev) != (fst.st_ino, fst.st_dev):
+                raise Gone(name)
+        except BaseException:
+            os.close(fd)
+            raise
+        return Held(self, folder, name, fd, fst, writable)
+
+    def move_entry(self, folder: str, name: str, to_folder: str, to_name: str | None = None) -> str:
+        """Move an entry that cannot be locked (symlink, FIFO, directory) as
+        itself, never its target. Finds a free name in the destination rather
+        than replace anything. Returns the name it got."""
+        target = self._free_name(to_folder, to_name or name)
+        while True:
+            try:
+                rename_noreplace(self.fd(folder), name, self.fd(to_folder), target)
+                break
+            except Exists:
+                target = self._free_name(to_folder, to_name or name, force_suffix=True)
+        self.sync_dir(to_folder)
+        self.sync_dir(folder)
+        return target
+
+    def _free_name(self, folder: str, name: str, force_suffix: bool = False) -> str:
+        if not force_suffix:
+            try:
+                os.stat(name, dir_fd=self.fd(folder), follow_symlinks=False)
+            except FileNotFoundError:
+                return name
+        return duplicate_name(name)
+
+    def remove_tmp(self, older_than_s: float = TMP_MAX_AGE) -> int:
+        """Delete tmp/ files not touched for ``older_than_s`` seconds."""
+        limit = time.time() - older_than_s
+        removed = 0
+        tmp_dir = self.fd("tmp")
+        for name, st in list(self.entries("tmp")):
+            if max(st.st_mtime, st.st_atime) < limit:
+                try:
+                    if stat.S_ISDIR(st.st_mode):
+                        continue
+                    os.unlink(name, dir_fd=tmp_dir)
+                    removed += 1
+                except FileNotFoundError:
+                    pass
+        if removed:
+            self.sync_dir("tmp")
+        return removed
+
+    # -- small private files (config, worker registrations) ---------------
+
+    def create_held(self, folder: str, name: str, data: bytes) -> "Held":
+        """Create ``folder/name`` already locked: it is written and flocked
+        under a dot-name (ignored by everyone) and only then renamed into
+        view, so nobody ever sees it unlocked."""
+        dir_fd = self.fd(folder)
+        tmp = "." + self.tmp_name(name)
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dir_fd)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _write_all(fd, data)
+            rename_noreplace(dir_fd, tmp, dir_fd, name)
+        except BaseException:
+            os.close(fd)
+            _unlink_quietly(dir_fd, tmp)
+            raise
+        return Held(self, folder, name, fd, os.fstat(fd), True)
+
+    def is_locked(self, folder: str, name: str) -> bool | None:
+        """Whether someone holds ``folder/name`` (None if it is gone). Takes
+        only a shared lock for an instant, so it never looks like an owner."""
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=self.fd(folder))
+        except FileNotFoundError:
+            return None
+        except OSError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return False
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+
+    def replace_file(self, folder: str | None, name: str, data: bytes, mode: int | None = None) -> None:
+        """Atomically replace a small file (tmp + fsync + rename)."""
+        dir_fd = self.fd(folder) if folder else os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            tmp = "." + self.tmp_name(name)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode or self.file_mode, dir_fd=dir_fd)
+            try:
+                _write_all(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            os.fsync(dir_fd)
+        finally:
+            if not folder:
+                os.close(dir_fd)
+
+
+class Held:
+    """A job file held under an exclusive flock by this process.
+
+    The lock follows the inode, so it moves with the file through renames.
+    Whoever holds it may rewrite the record and move the file; nobody else
+    can claim, cancel, retry or recover it meanwhile."""
+
+    __slots__ = ("spool", "folder", "name", "fd", "st", "size", "writable")
+
+    def __init__(self, spool: SpoolDir, folder: str, name: str, fd: int, st: os.stat_result, writable: bool):
+        self.spool = spool
+        self.folder = folder
+        self.name = name
+        self.fd = fd
+        self.st = st  # as found when locked: owner, links, mtime (the due time)
+        self.size = st.st_size  # the current size (it changes as we rewrite)
+        self.writable = writable
+
+    def read(self, limit: int) -> bytes:
+        return _read_upto(self.fd, limit, self.size)
+
+    def rewrite(self, data: bytes, durable: bool = True) -> None:
+        """Replace the file's content with ``data``, keeping the lock.
+
+        With fsync off, a record that fits in one page is written in place:
+        no new file, nothing for ext4 to allocate. It is padded with spaces to
+        the old length (JSON allows trailing white space), so one ``pwrite``
+        is the whole change and a process killed at any instant leaves the
+        old record or the new one. Otherwise (fsync on, large records, files
+        we may not write): write a new file in tmp/, fsync it, lock it, and
+        rename it over the old name, so a crash or power cut leaves one
+        whole record and the file is never unlocked."""
+        old_size = self.size
+        sync = self.spool.fsync and durable
+        if (
+            self.writable
+            and not sync
+            and self.st.st_nlink == 1
+            and max(len(data), old_size) <= IN_PLACE_LIMIT
+        ):
+            if len(data) < old_size:
+                data = data + b" " * (old_size - len(data))
+            if os.pwrite(self.fd, data, 0) != len(data):
+                raise OSError(errno.EIO, "short write rewriting a job record")
+            self.size = len(data)
+            return
+        sp = self.spool
+        tmp_dir = sp.fd("tmp")
+        tmp, fd = sp._write_tmp(self.name, data, None)
+        try:
+            if sync:
+                os.fsync(fd)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.rename(tmp, self.name, src_dir_fd=tmp_dir, dst_dir_fd=sp.fd(self.folder))
+        except BaseException:
+            os.close(fd)
+            _unlink_quietly(tmp_dir, tmp)
+            raise
+        os.close(self.fd)  # the old inode is gone from the folder; drop its lock
+        self.fd = fd
+        self.writable = True
+        self.st = os.fstat(fd)
+        self.size = self.st.st_size
+
+    def unlink(self) -> None:
+        """Remove the held file (its lock goes with the last descriptor)."""
+        try:
+            os.unlink(self.name, dir_fd=self.spool.fd(self.folder))
+        except FileNotFoundError:
+            pass
+        self.release()
+
+    def set_mtime(self, mtime_ns: int) -> None:
+        os.utime(self.fd, ns=(mtime_ns, mtime_ns))
+
+    def move(self, to_folder: str, to_name: str | None = None, keep_name: bool = False) -> str:
+        """Rename into ``to_folder`` without replacing anything. A taken name
+        raises Exists with ``keep_name``, else gets a ``.dup-XXXX`` suffix
+        rather than be overwritten. fsyncs the destination, then the source
+        folder. Returns the new name."""
+        sp = self.spool
+        target = to_name or self.name
+        src_dir = sp.fd(self.folder)
+        dst_dir = sp.fd(to_folder)
+        while True:
+            try:
+                rename_noreplace(src_dir, self.name, dst_dir, target)
+                break
+            except Exists:
+                if keep_name:
+                    raise
+                target = sp._free_name(to_folder, to_name or self.name, force_suffix=True)
+        if sp.fsync:
+            os.fsync(dst_dir)
+            if src_dir != dst_dir:
+                os.fsync(src_dir)
+        self.folder = to_folder
+        self.name = target
+        return target
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+# --------------------------------------------------------------------------
+# helpers
+
+
+def kind_of(mode: int) -> str:
+    if stat.S_ISLNK(mode):
+        return "a symlink"
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    return "not a regular file"
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        if n <= 0:
+            raise OSError(errno.EIO, "write returned no progress")
+        view = view[n:]
+
+
+def _read_upto(fd: int, limit: int, size_hint: int | None = None) -> bytes:
+    """Read at most ``limit`` bytes from the start of ``fd``. With the size
+    from fstat as a hint, a whole small file costs one read of its size
+    (asking for a megabyte would allocate one)."""
+    if size_hint is None:
+        size_hint = os.fstat(fd).st_size
+    want = min(limit, size_hint + 1)
+    data = os.pread(fd, want, 0)
+    if len(data) < want or len(data) >= limit:
+        return data
+    chunks = [data]  # the file grew since fstat: read on to the limit
+    pos = len(data)
+    while pos < limit:
+        chunk = os.pread(fd, min(limit - pos, 1 << 20), pos)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        pos += len(chunk)
+    return b"".join(chunks)
+
+
+def _unlink_quietly(dir_fd: int, name: str) -> None:
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except OSError:
+        pass
+
+
+_syncfs_func = None
+
+
+def _syncfs(fd: int) -> None:
+    """Flush the whole filesystem holding ``fd`` (one sync for many files)."""
+    global _syncfs_func
+    if _syncfs_func is None:
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            func = libc.syncfs
+            func.argtypes = [ctypes.c_int]
+            func.restype = ctypes.c_int
+
+            def call(fd: int) -> None:
+                if func(fd) != 0:
+                    err = ctypes.get_errno()
+                    raise OSError(err, os.strerror(err))
+
+            _syncfs_func = call
+        except (OSError, AttributeError):
+            _syncfs_func = lambda fd: os.sync()  # noqa: E731
+    _syncfs_func(fd)

@@ -1,0 +1,244 @@
+"""The job record: parse, validate and serialise job files, and the time and
+duration formats of the command line.
+
+A job file is a UTF-8 JSON object. Producers write a few fields (``command``
+or ``argv`` or ``kind``, ``payload``, ``id``, ``max_attempts``, ``timeout``,
+``run_at``, ``env``, ``cwd``); spoolq adds its own (``state``, ``attempts``,
+``history`` ...). Unknown fields are kept as they are. A field set to null
+counts as absent.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+from .protocol import id_problem
+
+PRODUCER_FIELDS = ("command", "argv", "kind", "payload", "id", "max_attempts", "timeout", "run_at", "env", "cwd")
+TARGETS = ("command", "argv", "kind")
+
+
+class InvalidJob(ValueError):
+    """A job file or job description that can never run; the message is the reason."""
+
+
+# --------------------------------------------------------------------------
+# times and durations
+
+
+_second_prefix: dict[int, str] = {}
+
+
+def rfc3339(ts: float | None = None) -> str:
+    """An RFC 3339 UTC time with microseconds, e.g. 2026-11-22T07:21:00.123456Z."""
+    if ts is None:
+        ts = time.time()
+    sec, frac = divmod(round(ts * 1e6), 1_000_000)
+    prefix = _second_prefix.get(sec)
+    if prefix is None:  # formatting the date is the slow part: once per second seen
+        if len(_second_prefix) > 256:
+            _second_prefix.clear()
+        prefix = _second_prefix[sec] = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(sec))
+    return f"{prefix}.{frac:06d}Z"
+
+
+_RFC3339_RE = re.compile(
+    r"\d{4}-\d\d-\d\d[Tt ]\d\d:\d\d(:\d\d(\.\d+)?)?([Zz]|[+-]\d\d:?\d\d)\Z"
+)
+
+
+def parse_time(value: Any) -> float:
+    """An RFC 3339 time (with an offset) or epoch seconds, as epoch seconds."""
+    if isinstance(value, bool):
+        raise ValueError("a time must be RFC 3339 or epoch seconds, not a boolean")
+    if isinstance(value, (int, float)):
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"{value!r} is not a valid epoch time")
+        return float(value)
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            number = float(text)
+        except ValueError:
+            pass
+        else:
+            return parse_time(number)
+        if not _RFC3339_RE.match(text):
+            raise ValueError(f"{value!r} is not an RFC 3339 time with an offset (like 2026-01-31T09:00:00Z) or epoch seconds")
+        text = text[:-1] + "+00:00" if text[-1] in "Zz" else text
+        try:
+            return datetime.fromisoformat(text).timestamp()
+        except ValueError:
+            raise ValueError(f"{value!r} is not a valid time") from None
+    raise ValueError(f"a time must be RFC 3339 or epoch seconds, not {type(value).__name__}")
+
+
+_DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw]?)\Z")
+_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def parse_duration(text: Any) -> float:
+    """``90``, ``90s``, ``5m``, ``2h``, ``7d`` (and ``1w``, ``1.5h``) as seconds."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        if text < 0 or not math.isfinite(text):
+            raise ValueError(f"{text!r} is not a valid duration")
+        return float(text)
+    m = _DURATION_RE.match(str(text).strip().lower())
+    if not m:
+        raise ValueError(f"{text!r} is not a duration (use e.g. 90, 90s, 5m, 2h, 7d)")
+    return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+# --------------------------------------------------------------------------
+# validation
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _no_nul(text: str, what: str) -> None:
+    if "\x00" in text:
+        raise InvalidJob(f"{what} contains a NUL character")
+
+
+def validate(job: dict, name_id: str | None = None) -> None:
+    """Raise InvalidJob with the reason if ``job`` can never run.
+    (``name_id``: the id of the file name, already checked by the caller.)"""
+    present = (job.get("command") is not None) + (job.get("argv") is not None) + (job.get("kind") is not None)
+    if present != 1:
+        targets = [f for f in TARGETS if job.get(f) is not None]
+        if not targets:
+            raise InvalidJob("a job needs exactly one of command, argv or kind; it has none")
+        raise InvalidJob(f"a job needs exactly one of command, argv or kind; it has {', '.join(targets)}")
+    command = job.get("command")
+    if command is not None:
+        if not isinstance(command, str) or not command.strip():
+            raise InvalidJob("command must be a non-empty string")
+        _no_nul(command, "command")
+    argv = job.get("argv")
+    if argv is not None:
+        if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
+            raise InvalidJob("argv must be a non-empty list of strings")
+        if not argv[0]:
+            raise InvalidJob("argv[0] must not be empty")
+        for a in argv:
+            _no_nul(a, "argv")
+    kind = job.get("kind")
+    if kind is not None and (not isinstance(kind, str) or not kind):
+        raise InvalidJob("kind must be a non-empty string")
+    job_id = job.get("id")
+    if job_id is not None and job_id != name_id:
+        problem = id_problem(job_id)
+        if problem:
+            raise InvalidJob(problem)
+    max_attempts = job.get("max_attempts")
+    if max_attempts is not None and (
+        not isinstance(max_attempts, int) or isinstance(max_attempts, bool) or max_attempts < 1
+    ):
+        raise InvalidJob(f"max_attempts must be an integer >= 1, not {max_attempts!r}")
+    timeout = job.get("timeout")
+    if timeout is not None and (not _is_number(timeout) or timeout < 0):
+        raise InvalidJob(f"timeout must be a number of seconds >= 0, not {timeout!r}")
+    if job.get("run_at") is not None:
+        try:
+            parse_time(job["run_at"])
+        except ValueError as e:
+            raise InvalidJob(f"run_at: {e}") from None
+    env = job.get("env")
+    if env is not None:
+        if not isinstance(env, dict):
+            raise InvalidJob("env must be an object of strings")
+        for k, v in env.items():
+            if not isinstance(v, str):
+                raise InvalidJob(f"env[{k!r}] must be a string, not {type(v).__name__}")
+            if not k or "=" in k:
+                raise InvalidJob(f"env name {k!r} is empty or contains '='")
+            _no_nul(k, "env")
+            _no_nul(v, "env")
+    cwd = job.get("cwd")
+    if cwd is not None:
+        if not isinstance(cwd, str) or not cwd:
+            raise InvalidJob("cwd must be a non-empty string")
+        _no_nul(cwd, "cwd")
+    attempts = job.get("attempts")
+    if attempts is not None and (not isinstance(attempts, int) or isinstance(attempts, bool) or attempts < 0):
+        raise InvalidJob(f"attempts must be an integer >= 0, not {attempts!r}")
+    history = job.get("history")
+    if history is not None and not isinstance(history, list):
+        raise InvalidJob("history must be a list")
+
+
+def parse(data: bytes, job_id: str) -> dict:
+    """Parse a job file's bytes; the file name's ``job_id`` wins over the
+    ``id`` field (which must still be valid when present)."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidJob(f"not UTF-8 (byte {e.start})") from None
+    if text.startswith("\ufeff"):
+        text = text[1:]
+    if not text.strip():
+        raise InvalidJob("empty file")
+    try:
+        job = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InvalidJob(f"not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    except RecursionError:
+        raise InvalidJob("not valid JSON: nested too deeply") from None
+    except ValueError as e:  # e.g. numbers too large to convert
+        raise InvalidJob(f"not valid JSON: {e}") from None
+    if not isinstance(job, dict):
+        raise InvalidJob(f"not a JSON object but {_json_type(job)}")
+    validate(job, job_id)
+    job["id"] = job_id
+    return job
+
+
+def _json_type(v: Any) -> str:
+    if isinstance(v, list):
+        return "an array"
+    if isinstance(v, str):
+        return "a string"
+    if isinstance(v, bool):
+        return "a boolean"
+    if v is None:
+        return "null"
+    return "a number"
+
+
+_encoder = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+
+
+def dumps(job: dict) -> bytes:
+    """Serialise a record: one line of compact UTF-8 JSON."""
+    return (_encoder.encode(job) + "\n").encode("utf-8")
+
+
+def new_job(fields: dict, job_id: str, now: float) -> dict:
+    """A fresh record for enqueue: the producer's fields (nulls dropped) plus
+    spoolq's own. Raises InvalidJob."""
+    job = {k: v for k, v in fields.items() if v is not None}
+    for k in ("state", "attempts", "history"):
+        job.pop(k, None)
+    validate(job)
+    job["id"] = job_id
+    job["state"] = "new"
+    job["attempts"] = 0
+    job["created_at"] = rfc3339(now)
+    return job
+
+
+def target_label(job: dict) -> str:
+    """What ``stats`` groups a job by: its kind, else its program name."""
+    if job.get("kind") is not None:
+        return str(job["kind"])
+    if job.get("argv"):
+        return str(job["argv"][0]).rsplit("/", 1)[-1]
+    command = str(job.get("command") or "").strip()
+    return command.split(None, 1)[0].rsplit("/", 1)[-1] if command else ""

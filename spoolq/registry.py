@@ -1,0 +1,235 @@
+"""Worker registrations: one file per running worker in ``workers/``.
+
+A worker creates ``workers/<worker id>.json`` already locked and holds that
+flock for its whole life, so a registration whose lock is free belongs to a
+dead worker. The file says who the worker is (host, pid, boot id, process
+start time) and which jobs it runs, with their attempt number and the process
+group of each run. ``status`` reads it to show live workers; recovery reads a
+dead worker's file to count the interrupted runs and kill what they left.
+
+The file is rewritten in place (no fsync: it only has to survive the death
+of its process; after a power cut every process is gone anyway).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+import time
+from typing import Any
+
+from . import procs
+from .protocol import Busy, Gone, Held, NotRegular, SpoolDir
+from .record import rfc3339
+
+_encoder = json.JSONEncoder(separators=(",", ":"))
+
+
+def make_worker_id() -> str:
+    host = re.sub(r"[^A-Za-z0-9_-]", "-", os.uname().nodename)[:40] or "host"
+    return f"{host}.{os.getpid()}.{os.urandom(3).hex()}"
+
+
+class Registration:
+    """This worker's registration, kept current as jobs start and end."""
+
+    def __init__(self, spool: SpoolDir, worker_id: str | None = None):
+        self.spool = spool
+        self.worker_id = worker_id or make_worker_id()
+        self.jobs: dict[str, dict[str, Any]] = {}
+        self._dirty = False
+        self._stop_flusher: threading.Event | None = None
+        self._prefix = ""
+        self._held: Held | None = None
+        self._lock = threading.Lock()
+        pid = os.getpid()
+        self._info = {
+            "worker": self.worker_id,
+            "host": os.uname().nodename,
+            "pid": pid,
+            "boot_id": procs.boot_id(),
+            "proc_start": procs.start_time(pid),
+            "started_at": rfc3339(),
+        }
+
+    def open(self) -> None:
+        self.spool.open(create=True)
+        # The fixed part is serialised once; each save only adds the jobs.
+        self._prefix = json.dumps(self._info, separators=(",", ":"))[:-1] + ',"jobs":'
+        self._held = self.spool.create_held("workers", self.worker_id + ".json", self._dumps())
+
+    def _dumps(self) -> bytes:
+        return (self._prefix + _encoder.encode(self.jobs) + "}\n").encode()
+
+    def _save(self) -> None:
+        self._dirty = False
+        if self._held is not None:
+            self._held.rewrite(self._dumps(), durable=False)
+
+    # Only job_spawned writes at once: the process group must be on disk
+    # before the worker can die and orphan it. Starts and ends are written by
+    # flush() (the worker's flusher thread, or when it goes idle): recovery
+    # counts an interrupted run whether or not its entry made it to disk, and
+    # an entry for a job no longer in cur/ is ignored. For status the lag is
+    # at most the flush interval; for a drain it saves a write per job.
+
+    def job_started(self, job_id: str, attempt: int) -> None:
+        """Note that a run begins."""
+        with self._lock:
+            self.jobs[job_id] = {"attempt": attempt, "started_at": rfc3339()}
+            self._dirty = True
+
+    def job_spawned(self, job_id: str, pid: int, proc_start: int | None) -> None:
+        """Record the process group of a run now, so recovery can kill what it leaves."""
+        with self._lock:
+            entry = self.jobs.get(job_id)
+            if entry is not None:
+                entry["pgid"] = pid
+                entry["proc_start"] = proc_start
+                self._save()
+
+    def job_ended(self, job_id: str) -> None:
+        """Forget a run that ended."""
+        with self._lock:
+            if self.jobs.pop(job_id, None) is not None:
+                self._dirty = True
+
+    def flush(self) -> None:
+        """Write pending changes."""
+        with self._lock:
+            if self._dirty:
+                self._save()
+
+    def start_flusher(self, interval: float = 0.25) -> None:
+        """Flush every ``interval`` seconds in a daemon thread until close()."""
+        self._stop_flusher = threading.Event()
+
+        def loop() -> None:
+            while not self._stop_flusher.wait(interval):
+                try:
+                    self.flush()
+                except OSError:
+                    pass
+
+        threading.Thread(target=loop, name="spoolq-registration", daemon=True).start()
+
+    def close(self) -> None:
+        """Unregister (a clean exit)."""
+        if self._stop_flusher is not None:
+            self._stop_flusher.set()
+        with self._lock:
+            if self._held is not None:
+                self._held.unlink()
+                self._held = None
+
+
+def read_all(spool: SpoolDir) -> list[dict[str, Any]]:
+    """Every registration with ``live`` set when its worker still runs."""
+    out = []
+    try:
+        names = sorted(spool.names("workers"))
+    except Exception:
+        return out
+    for name in names:
+        if not name.endswith(".json"):
+            continue
+        live = spool.is_locked("workers", name)
+        if live is None:
+            continue
+        try:
+            data, _ = spool.read("workers", name, 1 << 20)
+            info = json.loads(data)
+        except (OSError, ValueError, NotRegular):
+            info = {"worker": name[:-5]}
+        if not isinstance(info, dict):
+            info = {"worker": name[:-5]}
+        info["live"] = live
+        info["file"] = name
+        out.append(info)
+    return out
+
+
+def live_workers(spool: SpoolDir) -> list[dict[str, Any]]:
+    return [w for w in read_all(spool) if w.get("live")]
+
+
+class DeadRegistration:
+    """A dead worker's registration, held by the recovery that handles it."""
+
+    def __init__(self, held: Held, info: dict[str, Any]):
+        self.held = held
+        self.info = info
+
+    @property
+    def jobs(self) -> dict[str, dict[str, Any]]:
+        jobs = self.info.get("jobs")
+        return jobs if isinstance(jobs, dict) else {}
+
+    def kill_processes(self) -> int:
+        """Kill whatever the dead worker's runs left alive."""
+        killed = 0
+        worker_id = str(self.info.get("worker", ""))
+        boot = str(self.info.get("boot_id", ""))
+        for entry in self.jobs.values():
+            if not isinstance(entry, dict):
+                continue
+            pgid = entry.get("pgid") if isinstance(entry.get("pgid"), int) else None
+            start = entry.get("proc_start") if isinstance(entry.get("proc_start"), int) else None
+            killed += procs.kill_run(worker_id, boot, pgid, start)
+        if worker_id:
+            # The worker may have died between starting a process and
+            # recording it: find those by the SPOOLQ_WORKER they inherited.
+            killed += procs.kill_run(worker_id, boot, None, None)
+        return killed
+
+    def remove(self) -> None:
+        self.held.unlink()
+
+    def release(self) -> None:
+        self.held.release()
+
+
+def take_dead(spool: SpoolDir, wait_for: set[str] = frozenset(), patience: float = 5.0) -> list[DeadRegistration]:
+    """Lock the registrations of dead workers. A registration that is still
+    locked but lists a job in ``wait_for`` (a ``cur/`` job we found unlocked)
+    belongs to a worker that is dying right now: wait up to ``patience``
+    seconds for the kernel to finish releasing its locks."""
+    taken = []
+    try:
+        names = sorted(spool.names("workers"))
+    except Exception:
+        return taken
+    for name in names:
+        if not name.endswith(".json"):
+            continue
+        deadline = time.monotonic() + patience
+        while True:
+            try:
+                held = spool.hold("workers", name)
+            except Busy:
+                if wait_for and time.monotonic() < deadline and _lists_any(spool, name, wait_for):
+                    time.sleep(0.01)
+                    continue
+                break
+            except (Gone, FileNotFoundError, NotRegular, OSError):
+                break
+            try:
+                info = json.loads(held.read(1 << 20) or b"{}")
+                if not isinstance(info, dict):
+                    info = {}
+            except ValueError:
+                info = {}
+            taken.append(DeadRegistration(held, info))
+            break
+    return taken
+
+
+def _lists_any(spool: SpoolDir, name: str, job_ids: set[str]) -> bool:
+    try:
+        data, _ = spool.read("workers", name, 1 << 20)
+        jobs = json.loads(data).get("jobs") or {}
+    except (OSError, ValueError, AttributeError, NotRegular):
+        return False
+    return any(j in jobs for j in job_ids)

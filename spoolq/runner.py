@@ -1,0 +1,383 @@
+"""Running one job: processes, timeouts, output, handlers.
+
+Command and argv jobs run in a new session (so a new process group) with
+their output captured into anonymous memory files, not pipes: a job that
+leaves ``sleep 100 &`` behind holds a pipe open and would make the worker
+wait, but it cannot hold up a file. The payload arrives on stdin the same
+way. The worker waits on a pidfd, so it wakes the instant the job exits and
+can still signal the whole group before it reaps the leader (while the
+leader is unreaped its pid, and so the group id, cannot be reused).
+
+Handler jobs (``kind``) call a Python function. Without a timeout they run
+in the worker itself (cheapest: a function call). With a timeout they run in
+a forked child that is killed when it runs over, because a thread stuck in a
+Python loop cannot be stopped any other way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from . import procs
+
+PERMANENT_EXIT = 100
+
+
+class Permanent(Exception):
+    """Raise from a handler to fail its job for good: straight to dead/, no retries."""
+
+
+_NO_RESULT = object()
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What one run produced."""
+
+    start: float
+    end: float = 0.0
+    exit_code: int | None = None
+    error: str | None = None
+    stdout: str | None = None
+    stderr: str | None = None
+    result: Any = _NO_RESULT
+    permanent: bool = False
+    timed_out: bool = False
+    interrupted: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and (self.exit_code in (None, 0)) and not self.interrupted
+
+    @property
+    def has_result(self) -> bool:
+        return self.result is not _NO_RESULT
+
+
+@dataclass(slots=True)
+class Limits:
+    timeout: float  # seconds, 0 = none
+    grace: float
+    output_limit: int
+
+
+@dataclass(slots=True)
+class RunHandle:
+    """A run in progress, so the worker can kill it on a second signal.
+
+    ``inline`` is true exactly while an in-process handler runs: only then may
+    the worker raise its stop exception into the running thread, so the
+    exception always lands inside ``call_handler``."""
+
+    pid: int | None = None
+    interrupted: bool = False
+    inline: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _reaped: bool = False
+
+    def kill(self) -> None:
+        """Kill the run's whole process group (if it has processes)."""
+        with self._lock:
+            self.interrupted = True
+            if self.pid is not None and not self._reaped:
+                _killpg(self.pid, signal.SIGKILL)
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _memfd(name: str) -> int:
+    try:
+        return os.memfd_create(name, os.MFD_CLOEXEC)
+    except (AttributeError, OSError):
+        import tempfile
+
+        f = tempfile.TemporaryFile()
+        fd = os.dup(f.fileno())
+        f.close()
+        return fd
+
+
+def _tail(fd: int, limit: int) -> str:
+    size = os.fstat(fd).st_size
+    if limit <= 0 or size == 0:
+        return ""
+    data = os.pread(fd, limit, max(0, size - limit))
+    return data.decode("utf-8", errors="replace")
+
+
+def _wait_exit(pid: int, pidfd: int | None, timeout: float | None) -> bool:
+    """Wait until ``pid`` has exited (without reaping it); False on timeout."""
+    if pidfd is not None:
+        ready, _, _ = select.select([pidfd], [], [], timeout)
+        return bool(ready)
+    # No pidfd: poll waitid with WNOWAIT so the pid stays pinned.
+    deadline = None if timeout is None else time.monotonic() + timeout
+    delay = 0.0005
+    while True:
+        try:
+            info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return True
+        if info is not None:
+            return True
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
+        time.sleep(delay)
+        delay = min(delay * 2, 0.02)
+
+
+def _supervise(pid: int, limits: Limits, handle: RunHandle) -> bool:
+    """Wait for a child, enforcing the timeout on its process group.
+    Returns whether it timed out. The child is left for the caller to reap."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        pidfd = None
+    try:
+        timeout = limits.timeout if limits.timeout > 0 else None
+        if _wait_exit(pid, pidfd, timeout):
+            return False
+        with handle._lock:
+            _killpg(pid, signal.SIGTERM)
+        if not _wait_exit(pid, pidfd, limits.grace):
+            with handle._lock:
+                _killpg(pid, signal.SIGKILL)
+            _wait_exit(pid, pidfd, None)
+        # The leader is dead but unreaped, so the group id is still ours:
+        # make sure nothing it started outlives the timeout.
+        with handle._lock:
+            _killpg(pid, signal.SIGKILL)
+        return True
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
+
+
+def run_process(
+    job: dict,
+    env: dict[str, str],
+    limits: Limits,
+    handle: RunHandle,
+    on_spawn: Callable[[int, int | None], None],
+) -> Outcome:
+    """Run a command or argv job to its end and report what happened."""
+    out = Outcome(start=time.time())
+    if job.get("argv") is not None:
+        argv = list(job["argv"])
+    else:
+        argv = ["/bin/sh", "-c", job["command"]]
+    stdin_fd = None
+    stdout_fd = _memfd("spoolq-stdout")
+    stderr_fd = _memfd("spoolq-stderr")
+    try:
+        if job.get("payload") is not None:
+            stdin_fd = _memfd("spoolq-payload")
+            os.write(stdin_fd, json.dumps(job["payload"], ensure_ascii=False).encode())
+            os.lseek(stdin_fd, 0, os.SEEK_SET)
+        try:
+            proc = subprocess.Popen(
+                argv,
+                stdin=stdin_fd if stdin_fd is not None else subprocess.DEVNULL,
+                stdout=stdout_fd,
+                stderr=stderr_fd,
+                cwd=job.get("cwd"),
+                env=env,
+                start_new_session=True,
+                close_fds=True,
+            )
+        except OSError as e:
+            out.end = time.time()
+            where = f": {e.filename}" if e.filename else ""
+            out.error = f"cannot start: {e.strerror or e}{where}"
+            return out
+        except ValueError as e:  # e.g. an embedded NUL that slipped through
+            out.end = time.time()
+            out.error = f"cannot start: {e}"
+            return out
+        handle.pid = proc.pid
+        try:
+            on_spawn(proc.pid, procs.start_time(proc.pid))
+        except Exception:
+            pass  # the registration is a safety net; the run goes on without it
+        if handle.interrupted:  # a kill arrived before the pid was known
+            handle.kill()
+        out.timed_out = _supervise(proc.pid, limits, handle)
+        with handle._lock:
+            code = proc.wait()
+            handle._reaped = True
+        out.end = time.time()
+        out.exit_code = code
+        out.interrupted = handle.interrupted
+        if out.timed_out:
+            out.error = f"timed out after {limits.timeout:g}s"
+        elif handle.interrupted:
+            out.error = "killed: the worker was told to stop now"
+        elif code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+            out.error = f"killed by {name}"
+        elif code == PERMANENT_EXIT:
+            out.permanent = True
+            out.error = f"exit status {code}: failed permanently"
+        elif code != 0:
+            out.error = f"exit status {code}"
+        out.stdout = _tail(stdout_fd, limits.output_limit)
+        out.stderr = _tail(stderr_fd, limits.output_limit)
+        return out
+    finally:
+        for fd in (stdin_fd, stdout_fd, stderr_fd):
+            if fd is not None:
+                os.close(fd)
+
+
+def _describe_exception(e: BaseException, limit: int) -> tuple[str, str]:
+    message = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    tb = "".join(traceback.format_exception(e))
+    if limit > 0 and len(tb) > limit:
+        tb = tb[-limit:]
+    return message, tb
+
+
+def _json_result(value: Any) -> Any:
+    """The handler's return value as stored JSON, or raise TypeError/ValueError."""
+    if value is None or isinstance(value, (str, bool, int)):
+        return value
+    return json.loads(json.dumps(value, allow_nan=False))
+
+
+def call_handler(handler: Callable[[Any], Any] | None, job: dict, limits: Limits, handle: RunHandle) -> Outcome:
+    """Run a handler job in this process (no timeout possible)."""
+    out = Outcome(start=time.time())
+    with handle._lock:
+        handle.inline = True
+    try:
+        _call_into(out, handler, job, limits)
+    finally:
+        _leave_inline(handle)
+    out.end = time.time()
+    return out
+
+
+def _leave_inline(handle: RunHandle) -> None:
+    with handle._lock:
+        handle.inline = False
+
+
+def _call_into(out: Outcome, handler, job: dict, limits: Limits) -> None:
+    if handler is None:
+        out.error = f"no handler for kind {job.get('kind')!r} in this worker"
+        return
+    payload = job.get("payload")
+    try:
+        value = handler({} if payload is None else payload)
+    except Permanent as e:
+        out.error, out.stderr = _describe_exception(e, limits.output_limit)
+        out.permanent = True
+        return
+    except Exception as e:
+        out.error, out.stderr = _describe_exception(e, limits.output_limit)
+        return
+    try:
+        out.result = _json_result(value)
+    except (TypeError, ValueError) as e:
+        out.error = f"the handler returned a value that is not JSON: {type(value).__name__} ({e})"
+
+
+def fork_handler(
+    handler: Callable[[Any], Any] | None,
+    job: dict,
+    limits: Limits,
+    handle: RunHandle,
+    on_spawn: Callable[[int, int | None], None],
+) -> Outcome:
+    """Run a handler job in a forked child, killed if it runs over its timeout."""
+    out = Outcome(start=time.time())
+    result_fd = _memfd("spoolq-result")
+    parent = os.getpid()
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: run, write the outcome, leave without cleanup
+            code = 0
+            try:
+                os.setpgid(0, 0)
+                _die_with_parent()
+                if os.getppid() != parent:  # the worker died before prctl took hold
+                    os._exit(1)
+                child = Outcome(start=out.start)
+                _call_into(child, handler, job, limits)
+                report = {"error": child.error, "tb": child.stderr, "permanent": child.permanent}
+                if child.has_result:
+                    report["result"] = child.result
+                os.pwrite(result_fd, json.dumps(report).encode(), 0)
+            except BaseException:
+                code = 1
+            finally:
+                os._exit(code)
+        handle.pid = pid
+        try:
+            os.setpgid(pid, pid)  # also here, so killpg works however early we need it
+        except OSError:
+            pass
+        try:
+            on_spawn(pid, procs.start_time(pid))
+        except Exception:
+            pass
+        if handle.interrupted:
+            handle.kill()
+        out.timed_out = _supervise(pid, limits, handle)
+        with handle._lock:
+            _, status = os.waitpid(pid, 0)
+            handle._reaped = True
+        out.end = time.time()
+        out.interrupted = handle.interrupted
+        size = os.fstat(result_fd).st_size
+        report = None
+        if size:
+            try:
+                report = json.loads(os.pread(result_fd, size, 0))
+            except ValueError:
+                report = None
+        if out.timed_out:
+            out.error = f"timed out after {limits.timeout:g}s"
+        elif handle.interrupted:
+            out.error = "killed: the worker was told to stop now"
+        elif report is None:
+            code = os.waitstatus_to_exitcode(status)
+            out.error = f"the handler process died ({'signal ' + str(-code) if code < 0 else 'exit status ' + str(code)})"
+        else:
+            out.error = report.get("error")
+            out.stderr = report.get("tb")
+            out.permanent = bool(report.get("permanent"))
+            if "result" in report:
+                out.result = report["result"]
+        return out
+    finally:
+        os.close(result_fd)
+
+
+def _die_with_parent() -> None:
+    """In a forked handler child: be killed if the worker dies (Linux)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass

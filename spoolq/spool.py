@@ -1,0 +1,436 @@
+"""``Spool``: the one core that the command line and Python programs share.
+
+Every ``spoolq`` command is a thin wrapper around a method here, so the CLI
+and the API cannot drift apart::
+
+    q = Spool("/var/spool/app")
+    job_id = q.enqueue(command="make report")
+    q.work(handlers={"send_email": send_email})
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, Callable, Iterator, Mapping
+
+from . import config, record
+from .protocol import STATES, Exists, NotRegular, SpoolDir, file_name, id_of, id_problem, new_id
+from .record import InvalidJob
+
+_UNSET = object()
+
+
+class DuplicateId(Exception):
+    """An id that is already present in the spool (a state folder or the index)."""
+
+
+class Spool:
+    """A spool directory: enqueue, inspect, cancel, retry and run jobs.
+
+    ``Spool()`` uses ``$SPOOLQ_DIR``, else ``./spool``. Nothing is created
+    until a method that writes needs it.
+    """
+
+    def __init__(self, path: str | os.PathLike | None = None):
+        if path is None:
+            path = os.environ.get("SPOOLQ_DIR") or "spool"
+        self.path = os.path.abspath(os.fspath(path))
+        self._settings: dict[str, Any] | None = None
+        self.dir = SpoolDir(self.path, fsync=True)
+        self._index = None
+
+    def __repr__(self) -> str:
+        return f"Spool({self.path!r})"
+
+    # -- settings ----------------------------------------------------------
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """The spool's settings (config.json over the defaults)."""
+        if self._settings is None:
+            self._settings = config.load(self.path)
+            self.dir.fsync = bool(self._settings["fsync"])
+        return self._settings
+
+    def config_get(self, key: str) -> Any:
+        if key not in config.DEFAULTS:
+            config.check(key, None)  # raises the unknown-key error
+        return self.settings[key]
+
+    def config_set(self, key: str, value: Any) -> Any:
+        """Validate and store one setting; returns the stored value."""
+        checked = config.check(key, value)
+        self._open(create=True)
+        stored = config.read_stored(self.path)
+        stored[key] = checked
+        self.dir.replace_file(None, "config.json", config.dumps(stored), mode=0o664 if self.dir.shared else 0o600)
+        self._settings = None
+        return checked
+
+    def config_list(self) -> dict[str, Any]:
+        return dict(self.settings)
+
+    def context(self):
+        """The transition context (settings, trust, index look-ups)."""
+        from .transitions import Context
+
+        return Context(self.dir, self.settings, index_has=self._index_has)
+
+    def _open(self, create: bool = False) -> None:
+        self.settings  # noqa: B018 - loads config and the fsync setting first
+        self.dir.open(create=create)
+
+    # -- layout ------------------------------------------------------------
+
+    def init(self, group: str | None = None) -> None:
+        """Create the layout (idempotent); ``group`` makes a shared spool."""
+        self.dir.init(group=group)
+
+    # -- enqueue -----------------------------------------------------------
+
+    def _prepare(self, fields: Mapping[str, Any], now: float) -> tuple[str, bytes, int | None]:
+        fields = dict(fields)
+        job_id = fields.get("id")
+        if job_id is None:
+            job_id = new_id()
+        else:
+            problem = id_problem(job_id)
+            if problem:
+                raise InvalidJob(problem)
+        run_at = fields.get("run_at")
+        mtime_ns = None
+        if run_at is not None:
+            if hasattr(run_at, "timestamp"):
+                run_at = run_at.timestamp()
+            try:
+                when = record.parse_time(run_at)
+            except ValueError as e:
+                raise InvalidJob(f"run_at: {e}") from None
+            fields["run_at"] = record.rfc3339(when)
+            if when > now:
+                mtime_ns = int(when * 1e9)
+        job = record.new_job(fields, job_id, now)
+        data = record.dumps(job)
+        limit = int(self.settings["max_job_bytes"])
+        if len(data) > limit:
+            raise InvalidJob(f"the job is {len(data)} bytes, larger than max_job_bytes ({limit})")
+        return job_id, data, mtime_ns
+
+    def _check_unique(self, job_id: str) -> None:
+        where = self.dir.present_in(file_name(job_id))
+        if where is not None:
+            raise DuplicateId(f"id {job_id} is already in {where}/")
+        if self._index_has(job_id):
+            raise DuplicateId(f"id {job_id} is already in the index (a compacted job)")
+
+    def enqueue(
+        self,
+        command: str | None = None,
+        *,
+        argv: list[str] | None = None,
+        kind: str | None = None,
+        payload: Any = None,
+        id: str | None = None,
+        max_attempts: int | None = None,
+        timeout: float | None = None,
+        run_at: Any = None,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        **extra: Any,
+    ) -> str:
+        """Enqueue one job and return its id once it is durably in new/.
+
+        Exactly one of ``command`` (run by /bin/sh -c), ``argv`` (run directly)
+        or ``kind`` (a Python handler) is required. ``run_at`` (epoch seconds,
+        an RFC 3339 string or a datetime) delays it. Raises InvalidJob for a
+        bad job and DuplicateId for an id already in the spool.
+        """
+        fields = dict(extra)
+        fields.update(
+            command=command, argv=argv, kind=kind, payload=payload, id=id,
+            max_attempts=max_attempts, timeout=timeout, run_at=run_at,
+            env=dict(env) if env is not None else None, cwd=cwd,
+        )
+        return self.enqueue_job(fields)
+
+    def enqueue_job(self, fields: Mapping[str, Any]) -> str:
+        """Enqueue a whole job object (the form of a job file)."""
+        self._open(create=True)
+        job_id, data, mtime_ns = self._prepare(fields, time.time())
+        if fields.get("id") is not None:
+            self._check_unique(job_id)
+        try:
+            self.dir.publish(file_name(job_id), data, mtime_ns)
+        except Exists:
+            raise DuplicateId(f"id {job_id} is already in new/") from None
+        return job_id
+
+    def enqueue_many(self, jobs: list[Mapping[str, Any]]) -> list[str]:
+        """Enqueue many jobs with one sync for the lot (group commit).
+
+        Every job is validated first; if one is invalid nothing is enqueued
+        (InvalidJob names its position). Returns the ids in order."""
+        self._open(create=True)
+        now = time.time()
+        items = []
+        seen: set[str] = set()
+        for i, fields in enumerate(jobs):
+            if not isinstance(fields, Mapping):
+                raise InvalidJob(f"job {i + 1}: not a JSON object")
+            try:
+                job_id, data, mtime_ns = self._prepare(fields, now)
+                if fields.get("id") is not None:
+                    if job_id in seen:
+                        raise DuplicateId(f"id {job_id} appears twice")
+                    self._check_unique(job_id)
+            except (InvalidJob, DuplicateId) as e:
+                raise type(e)(f"job {i + 1}: {e}") from None
+            seen.add(job_id)
+            items.append((file_name(job_id), data, mtime_ns))
+        try:
+            names = self.dir.publish_many(items)
+        except Exists as e:
+            raise DuplicateId(f"id {id_of(str(e))} is already in new/; the jobs before it were enqueued") from None
+        return [id_of(n) for n in names]
+
+    # -- looking -----------------------------------------------------------
+
+    def _index_has(self, job_id: str) -> bool:
+        index = self.index(create=False)
+        return index is not None and index.has(job_id)
+
+    def index(self, create: bool = False):
+        """The SQLite history (None when there is none and ``create`` is off)."""
+        if self._index is None:
+            if not create and not os.path.exists(os.path.join(self.path, "index.db")):
+                return None
+            from .index import Index
+
+            self._index = Index(os.path.join(self.path, "index.db"))
+        return self._index
+
+    def _read_record(self, state: str, name: str, st: os.stat_result | None = None) -> dict[str, Any]:
+        """A file's record as ``show`` prints it (invalid files included)."""
+        from .transitions import dead_reason
+
+        job_id = id_of(name)
+        limit = int(self.settings["max_job_bytes"])
+        job: dict[str, Any]
+        try:
+            data, st = self.dir.read(state, name, limit + 1)
+            job = record.parse(data, job_id) if len(data) <= limit else None
+        except (InvalidJob, NotRegular, OSError):
+            job = None
+        if job is None:
+            reason = dead_reason(self.context(), state, name) or "unreadable"
+            job = {"id": job_id, "error": reason, "valid": False}
+        elif state == "dead" and job.get("error") is None:
+            reason = dead_reason(self.context(), state, name)
+            if reason:
+                job["error"] = reason
+        job["state"] = state
+        job["file"] = os.path.join(self.path, state, name)
+        if st is not None:
+            job["mtime"] = record.rfc3339(st.st_mtime)
+            if state in ("new", "failed"):
+                job["due_at"] = record.rfc3339(st.st_mtime)
+        return job
+
+    def get(self, job_id: str) -> dict[str, Any] | None:
+        """The job's record as a dict with ``state`` set from where it is
+        (``new``, ``cur``, ``failed``, ``dead``, ``done``), compacted jobs
+        included; None if there is no such job."""
+        from .transitions import locate
+
+        self._open()
+        if id_problem(job_id):
+            return None
+        for _ in range(3):  # the file may move between looking and reading
+            where = locate(self.context(), job_id)
+            if where is None:
+                break
+            state, name = where
+            try:
+                job = self._read_record(state, name)
+            except FileNotFoundError:
+                continue
+            if state == "cur":
+                from .registry import live_workers
+
+                for w in live_workers(self.dir):
+                    if job_id in (w.get("jobs") or {}):
+                        job["worker"] = w.get("worker")
+            return job
+        index = self.index()
+        if index is not None:
+            job = index.get(job_id)
+            if job is not None:
+                job["state"] = "done"
+                return job
+        return None
+
+    def status(self) -> dict[str, Any]:
+        """Counts per state (``done`` includes compacted jobs) and live workers."""
+        from .registry import live_workers
+
+        self._open()
+        counts: dict[str, Any] = {state: self.dir.count(state) for state in STATES}
+        counts["done_files"] = counts["done"]
+        index = self.index()
+        counts["compacted"] = index.count() if index is not None else 0
+        counts["done"] += counts["compacted"]
+        counts["workers"] = [
+            {k: w.get(k) for k in ("worker", "host", "pid", "started_at", "jobs")} for w in live_workers(self.dir)
+        ]
+        return counts
+
+    def list(
+        self, state: str | None = None, limit: int | None = None, since: float | None = None
+    ) -> Iterator[dict[str, Any]]:
+        """Records oldest first, by (due or finish time = file mtime, name).
+        ``state`` picks one folder; done includes compacted jobs."""
+        self._open()
+        states = (state,) if state else STATES
+        found = []
+        for st_name in states:
+            for name, st in self.dir.entries(st_name):
+                if since is not None and st.st_mtime < since:
+                    continue
+                found.append((st.st_mtime_ns, name, st_name))
+        found.sort()
+        count = 0
+        index = self.index() if "done" in states else None
+        compacted = iter(index.iter_done(since=since) if index is not None else ())
+        pending = next(compacted, None)
+        for mtime_ns, name, st_name in found:
+            while pending is not None and pending["_sort"] < (mtime_ns, name):
+                if limit is not None and count >= limit:
+                    return
+                pending.pop("_sort", None)
+                yield pending
+                count += 1
+                pending = next(compacted, None)
+            if limit is not None and count >= limit:
+                return
+            try:
+                yield self._read_record(st_name, name)
+            except FileNotFoundError:
+                continue
+            count += 1
+        while pending is not None and (limit is None or count < limit):
+            pending.pop("_sort", None)
+            yield pending
+            count += 1
+            pending = next(compacted, None)
+
+    # -- changing ----------------------------------------------------------
+
+    def cancel(self, job_id: str, check: bool = False) -> bool:
+        """Cancel a waiting job (new/ or failed/ -> done/, outcome cancelled).
+        Returns whether it was cancelled; with ``check``, raises JobNotFound
+        or NotPossible with the reason instead of returning False."""
+        from . import transitions
+
+        self._open()
+        try:
+            transitions.cancel(self.context(), job_id)
+            return True
+        except (transitions.JobNotFound, transitions.NotPossible):
+            if check:
+                raise
+            return False
+
+    def retry(self, job_id: str, check: bool = False) -> bool:
+        """Move a dead job back to new/ with a fresh round of attempts."""
+        from . import transitions
+
+        self._open()
+        try:
+            transitions.retry(self.context(), job_id)
+            return True
+        except (transitions.JobNotFound, transitions.NotPossible):
+            if check:
+                raise
+            return False
+
+    def retry_all(self) -> list[str]:
+        """Move every dead job back to new/; returns their ids."""
+        from . import transitions
+
+        self._open()
+        return transitions.retry_all(self.context())
+
+    def sweep(self):
+        """The recovery step alone: return abandoned jobs from cur/ (killing
+        what their runs left) and remove stale tmp/ files."""
+        from . import transitions
+
+        self._open(create=True)
+        report = transitions.recover(self.context())
+        report.tmp_removed = self.dir.remove_tmp()
+        return report
+
+    # -- running -----------------------------------------------------------
+
+    def work(
+        self,
+        handlers: Mapping[str, Callable[[Any], Any]] | None = None,
+        jobs: int = 1,
+        max_jobs: int | None = None,
+        max_time: float | None = None,
+        watch: bool = False,
+        poll: float | None = None,
+        log: Any = None,
+        signals: bool = True,
+    ) -> int:
+        """Run jobs in this process and return how many ran.
+
+        Without ``watch`` it recovers abandoned jobs, runs every due job and
+        returns when none is due. ``handlers`` maps a job's ``kind`` to a
+        function called with its payload. ``jobs`` runs that many at once.
+        """
+        from .worker import Worker
+
+        self._open(create=True)
+        worker = Worker(
+            self, handlers=dict(handlers or {}), jobs=jobs, max_jobs=max_jobs, max_time=max_time,
+            watch=watch, poll=poll, log=log, signals=signals,
+        )
+        return worker.run()
+
+
+def load_app(spec: str) -> dict[str, Callable[[Any], Any]]:
+    """Import ``MODULE:ATTR`` and return it as a kind -> handler mapping.
+    The current directory is importable, as with ``python -m``."""
+    import importlib
+    import sys
+
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"--app must be MODULE:ATTR, not {spec!r}")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"cannot import {module_name}: {e}") from None
+    obj: Any = module
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ValueError(f"{module_name} has no attribute {attr}") from None
+    if callable(obj) and not isinstance(obj, Mapping):
+        obj = obj()
+    if not isinstance(obj, Mapping):
+        raise ValueError(f"{spec} must be a mapping of kind to handler, not {type(obj).__name__}")
+    bad = [k for k, v in obj.items() if not callable(v)]
+    if bad:
+        raise ValueError(f"{spec}: handler for {bad[0]!r} is not callable")
+    return dict(obj)
+
+
+def to_json(job: dict[str, Any]) -> str:
+    return json.dumps(job, ensure_ascii=False, sort_keys=False)

@@ -1,0 +1,576 @@
+"""How a job moves between states: claim, finish, cancel, retry, quarantine
+and recovery. Every move happens while holding the file's flock, with the
+record rewritten first and then one rename, so a crash at any instant leaves
+the job in exactly one folder with a whole record.
+
+The worker loop, ``spoolq sweep``, ``cancel``, ``retry`` and the Python API
+all come through here.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import stat
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from . import config, record, registry
+from .protocol import (
+    Busy,
+    Entry,
+    Exists,
+    Gone,
+    Held,
+    NotRegular,
+    SpoolDir,
+    duplicate_name,
+    file_name,
+    id_of,
+    id_problem,
+    kind_of,
+)
+from .record import InvalidJob, rfc3339
+from .runner import Outcome
+
+
+class JobNotFound(LookupError):
+    """No job with that id in this spool."""
+
+
+class NotPossible(Exception):
+    """The job exists but the request does not apply to its state."""
+
+
+@dataclass
+class Context:
+    """What every transition needs to know about the spool."""
+
+    spool: SpoolDir
+    settings: dict[str, Any]
+    index_has: Callable[[str], bool] = lambda job_id: False
+    _trusted: frozenset[int] | None = None
+
+    @property
+    def trusted_uids(self) -> frozenset[int]:
+        if self._trusted is None:
+            uids = {os.geteuid(), 0}
+            for user in self.settings.get("trusted_users", []):
+                uid = _uid_of(user)
+                if uid is not None:
+                    uids.add(uid)
+            self._trusted = frozenset(uids)
+        return self._trusted
+
+
+def _uid_of(user: str) -> int | None:
+    import pwd
+
+    try:
+        return pwd.getpwnam(user).pw_uid
+    except KeyError:
+        try:
+            return int(user)
+        except ValueError:
+            return None
+
+
+def _user_name(uid: int) -> str:
+    import pwd
+
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+@dataclass
+class Claimed:
+    """A job this process holds in cur/ and is about to run."""
+
+    held: Held
+    job: dict
+    job_id: str
+    due_ns: int
+    origin: str
+
+    @property
+    def attempt(self) -> int:
+        return int(self.job.get("attempts") or 0) + 1
+
+
+# --------------------------------------------------------------------------
+# checking a file
+
+
+def check(ctx: Context, st: os.stat_result, read: Callable[[int], bytes], name: str) -> dict:
+    """The job a file holds, or InvalidJob with the reason it can never run."""
+    if not stat.S_ISREG(st.st_mode):
+        raise InvalidJob(f"{kind_of(st.st_mode)}, not a regular file")
+    if st.st_uid not in ctx.trusted_uids:
+        raise InvalidJob(
+            f"owned by untrusted user {_user_name(st.st_uid)} (uid {st.st_uid}); "
+            "add it to the trusted_users setting to run its jobs"
+        )
+    limit = int(ctx.settings["max_job_bytes"])
+    if st.st_size > limit:
+        raise InvalidJob(f"{st.st_size} bytes, larger than max_job_bytes ({limit})")
+    job_id = id_of(name)
+    problem = id_problem(job_id)
+    if problem:
+        raise InvalidJob(f"bad file name: {problem}")
+    data = read(limit + 1)
+    if len(data) > limit:
+        raise InvalidJob(f"larger than max_job_bytes ({limit})")
+    return record.parse(data, job_id)
+
+
+def dead_reason(ctx: Context, folder: str, name: str) -> str | None:
+    """Why a file can never run, worked out again from the file (its bytes
+    are kept unchanged in dead/), or None if it is a valid job."""
+    sp = ctx.spool
+    try:
+        st = sp.lstat(folder, name)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        return f"{kind_of(st.st_mode)}, not a regular file"
+    try:
+        check(ctx, st, lambda n: sp.read(folder, name, n)[0], name)
+    except InvalidJob as e:
+        return str(e)
+    except NotRegular as e:
+        return f"{e.kind}, not a regular file"
+    except OSError as e:
+        return f"unreadable: {e.strerror}"
+    return None
+
+
+# --------------------------------------------------------------------------
+# claim
+
+
+def quarantine(ctx: Context, held: Held, reason: str) -> str:
+    """Move a file that can never run to dead/, bytes unchanged."""
+    name = held.move("dead")
+    held.release()
+    return name
+
+
+def claim(ctx: Context, entry: Entry, now_ns: int, on_quarantine: Callable[[str, str], None] | None = None) -> Claimed | None:
+    """Take one waiting file: lock it, check it is still due, validate it,
+    and rename it into cur/. Returns None when the race was lost, the file
+    is not due, or it was quarantined to dead/ (``on_quarantine(name, reason)``)."""
+    sp = ctx.spool
+    try:
+        held = sp.hold(entry.state, entry.name, mode=entry.mode)
+    except (Busy, Gone, FileNotFoundError):
+        return None
+    except NotRegular as e:
+        try:
+            name = sp.move_entry(entry.state, entry.name, "dead")
+        except FileNotFoundError:
+            return None
+        if on_quarantine:
+            on_quarantine(name, f"{e.kind}, not a regular file")
+        return None
+    except PermissionError as e:
+        return _quarantine_unheld(ctx, entry, f"unreadable: {e.strerror}", on_quarantine)
+    due_ns = held.st.st_mtime_ns
+    try:
+        if due_ns > now_ns:  # postponed since the scan
+            held.release()
+            return None
+        try:
+            job = check(ctx, held.st, held.read, entry.name)
+        except InvalidJob as e:
+            name = quarantine(ctx, held, str(e))
+            if on_quarantine:
+                on_quarantine(name, str(e))
+            return None
+        job_id = job["id"]
+        if job.get("state") is None:
+            # A file dropped by hand, seen for the first time.
+            duplicate = _duplicate_of(ctx, job_id, entry)
+            if duplicate:
+                # Renamed, so the id keeps meaning the job that had it first.
+                reason = f"duplicate id: a job {job_id} is already in {duplicate}"
+                job["state"] = "dead"
+                job["error"] = reason
+                new_name = duplicate_name(file_name(job_id))
+                job["id"] = id_of(new_name)
+                held.rewrite(record.dumps(job))
+                held.move("dead", new_name)
+                held.release()
+                if on_quarantine:
+                    on_quarantine(new_name, reason)
+                return None
+            job.setdefault("created_at", rfc3339(held.st.st_mtime))
+            run_at = job.get("run_at")
+            if run_at is not None:
+                when = record.parse_time(run_at)
+                # Honour run_at once, by the mtime; from now on only the mtime counts.
+                job["state"] = "new"
+                held.rewrite(record.dumps(job))
+                if when * 1e9 > now_ns:
+                    held.set_mtime(int(when * 1e9))
+                    held.release()
+                    return None
+        if job.get("state") == "dead":
+            # Moved back from dead/ by hand: a fresh round. Written down now,
+            # so a crash during the run is counted against the new round.
+            job["attempts"] = 0
+            job["state"] = "new"
+            held.rewrite(record.dumps(job))
+        try:
+            held.move("cur", file_name(job_id), keep_name=True)
+        except Exists:
+            reason = f"duplicate id: a job {job_id} is running"
+            new_name = duplicate_name(file_name(job_id))
+            job["id"] = id_of(new_name)
+            job["state"] = "dead"
+            job["error"] = reason
+            held.rewrite(record.dumps(job))
+            held.move("dead", new_name)
+            held.release()
+            if on_quarantine:
+                on_quarantine(new_name, reason)
+            return None
+        except FileNotFoundError:
+            held.release()
+            return None
+        return Claimed(held, job, job_id, due_ns, entry.state)
+    except BaseException:
+        held.release()
+        raise
+
+
+def _quarantine_unheld(ctx, entry, reason, on_quarantine):
+    try:
+        name = ctx.spool.move_entry(entry.state, entry.name, "dead")
+    except FileNotFoundError:
+        return None
+    if on_quarantine:
+        on_quarantine(name, reason)
+    return None
+
+
+def _duplicate_of(ctx: Context, job_id: str, entry: Entry) -> str | None:
+    name = file_name(job_id)
+    for state in ("cur", "failed", "done", "dead", "new"):
+        if state == entry.state and name == entry.name:
+            continue
+        try:
+            ctx.spool.lstat(state, name)
+            return state + "/"
+        except FileNotFoundError:
+            continue
+    if ctx.index_has(job_id):
+        return "the index (a compacted job)"
+    return None
+
+
+# --------------------------------------------------------------------------
+# finish
+
+
+_RUN_FIELDS = frozenset(("exit_code", "error", "stdout", "stderr", "result", "outcome"))
+
+
+def _clear_run_fields(job: dict) -> None:
+    for key in _RUN_FIELDS.intersection(job):
+        del job[key]
+
+
+def decide(ctx: Context, job: dict, out: Outcome, attempt: int) -> str:
+    """Where a job goes after a run: done, failed or dead."""
+    if out.ok:
+        return "done"
+    if out.permanent:
+        return "dead"
+    max_attempts = job.get("max_attempts") or ctx.settings["max_attempts"]
+    return "dead" if attempt >= max_attempts else "failed"
+
+
+def finish(ctx: Context, claimed: Claimed, out: Outcome, worker_id: str, due_now: bool = False) -> tuple[str, float | None]:
+    """Record a run's outcome and move the job on: done/, failed/ (due after
+    the backoff) or dead/. Returns (state, due time for failed/)."""
+    job = claimed.job
+    attempt = claimed.attempt
+    now = time.time()
+    end = rfc3339(out.end or now)
+    entry: dict[str, Any] = {
+        "attempt": attempt,
+        "worker": worker_id,
+        "due": rfc3339(claimed.due_ns / 1e9),
+        "start": rfc3339(out.start),
+        "end": end,
+    }
+    if out.exit_code is not None:
+        entry["exit_code"] = out.exit_code
+    if out.error is not None:
+        entry["error"] = out.error
+    history = job.get("history")
+    if not isinstance(history, list):
+        history = []
+    history.append(entry)
+    job["history"] = history
+    job["attempts"] = attempt
+    _clear_run_fields(job)
+    if out.exit_code is not None:
+        job["exit_code"] = out.exit_code
+    if out.error is not None:
+        job["error"] = out.error
+    if out.stdout:
+        job["stdout"] = out.stdout
+    if out.stderr:
+        job["stderr"] = out.stderr
+    if out.has_result:
+        job["result"] = out.result
+    dest = decide(ctx, job, out, attempt)
+    due: float | None = None
+    if dest == "done":
+        job["outcome"] = "succeeded"
+    if dest == "failed":
+        if due_now or out.interrupted:
+            due = now
+        else:
+            delay = config.backoff(ctx.settings, attempt, random.uniform(-0.1, 0.1))
+            due = now + delay
+    job["state"] = dest
+    job["finished_at" if dest != "failed" else "failed_at"] = end
+    _write_and_move(claimed.held, job, dest, due)
+    return dest, due
+
+
+def _write_and_move(held: Held, job: dict, dest: str, due: float | None) -> None:
+    held.rewrite(record.dumps(job))
+    if due is not None:
+        held.set_mtime(int(due * 1e9))
+    held.move(dest)
+    held.release()
+
+
+# --------------------------------------------------------------------------
+# cancel and retry
+
+
+def _find_held(ctx: Context, job_id: str, states: tuple[str, ...]) -> Held | None:
+    """Hold the file of ``job_id`` in one of ``states`` (None if in none)."""
+    problem = id_problem(job_id)
+    if problem:
+        raise JobNotFound(problem)
+    for _ in range(3):  # the file may move while we look; look again
+        for state in states:
+            for name in (file_name(job_id), job_id):
+                try:
+                    return ctx.spool.hold(state, name)
+                except (FileNotFoundError, Gone):
+                    continue
+                except NotRegular:
+                    continue
+    return None
+
+
+def locate(ctx: Context, job_id: str) -> tuple[str, str] | None:
+    """(state, file name) of a job's file, if it is in a state folder."""
+    if id_problem(job_id):
+        return None
+    for state in ("new", "cur", "failed", "dead", "done"):
+        for name in (file_name(job_id), job_id):
+            try:
+                ctx.spool.lstat(state, name)
+                return state, name
+            except FileNotFoundError:
+                continue
+    return None
+
+
+def cancel(ctx: Context, job_id: str) -> None:
+    """A waiting job (new/ or failed/) goes to done/ with outcome cancelled.
+    Raises JobNotFound, or NotPossible for a running or finished job."""
+    try:
+        held = _find_held(ctx, job_id, ("new", "failed"))
+    except Busy:
+        raise NotPossible(f"job {job_id} is running (a worker holds it); it cannot be cancelled") from None
+    if held is None:
+        where = locate(ctx, job_id)
+        if where is None:
+            if ctx.index_has(job_id):
+                raise NotPossible(f"job {job_id} has finished (done, compacted); nothing to cancel")
+            raise JobNotFound(f"no job {job_id} in this spool")
+        state = where[0]
+        if state == "cur":
+            raise NotPossible(f"job {job_id} is running; it cannot be cancelled")
+        raise NotPossible(f"job {job_id} is in {state}/, not waiting; nothing to cancel")
+    try:
+        try:
+            job = check(ctx, held.st, held.read, held.name)
+        except InvalidJob as e:
+            raise NotPossible(f"job {job_id} is not a valid job ({e}); a worker will move it to dead/") from None
+        _clear_run_fields(job)
+        job["state"] = "done"
+        job["outcome"] = "cancelled"
+        job["finished_at"] = rfc3339()
+        _write_and_move(held, job, "done", None)
+    finally:
+        held.release()
+
+
+def retry(ctx: Context, job_id: str) -> None:
+    """A dead job back to new/, due now, with a fresh round of attempts
+    (its history is kept). Raises JobNotFound or NotPossible."""
+    try:
+        held = _find_held(ctx, job_id, ("dead",))
+    except Busy:
+        raise NotPossible(f"job {job_id} is busy (another command holds it); try again") from None
+    if held is None:
+        where = locate(ctx, job_id)
+        if where is None:
+            raise JobNotFound(f"no job {job_id} in dead/")
+        raise NotPossible(f"job {job_id} is in {where[0]}/, not dead/")
+    try:
+        _retry_held(ctx, held)
+    finally:
+        held.release()
+
+
+def _retry_held(ctx: Context, held: Held) -> None:
+    try:
+        job = check(ctx, held.st, held.read, held.name)
+    except InvalidJob:
+        job = None  # an invalid file goes back unchanged: its owner may have fixed it
+    if job is not None:
+        _clear_run_fields(job)
+        job["state"] = "new"
+        job["attempts"] = 0
+        job["retried_at"] = rfc3339()
+        held.rewrite(record.dumps(job))
+    held.set_mtime(time.time_ns())
+    target = held.name if job is None else file_name(job["id"])
+    try:
+        held.move("new", target, keep_name=True)
+    except Exists:
+        raise NotPossible(f"new/{target} already exists; the dead job stays in dead/") from None
+
+
+def retry_all(ctx: Context) -> list[str]:
+    """Every dead job back to new/; returns the ids moved."""
+    moved = []
+    for name in sorted(ctx.spool.names("dead")):
+        try:
+            held = ctx.spool.hold("dead", name)
+        except (Busy, Gone, FileNotFoundError, NotRegular, PermissionError):
+            continue
+        try:
+            _retry_held(ctx, held)
+            moved.append(id_of(name))
+        except NotPossible:
+            pass
+        finally:
+            held.release()
+    return moved
+
+
+# --------------------------------------------------------------------------
+# recovery
+
+
+@dataclass
+class RecoveryReport:
+    recovered: int = 0  # jobs returned to failed/
+    dead: int = 0  # jobs out of attempts, moved to dead/
+    completed: int = 0  # runs that had finished but not moved on
+    quarantined: int = 0
+    killed: int = 0  # leftover processes killed
+    workers: int = 0  # dead worker registrations cleared
+    tmp_removed: int = 0  # stale tmp/ files removed (sweep)
+
+
+def recover(ctx: Context) -> RecoveryReport:
+    """Return every job a dead worker left in cur/ to failed/ (due now), its
+    interrupted run counted as an attempt, or to dead/ when none are left.
+    First kill the processes those runs left alive."""
+    sp = ctx.spool
+    report = RecoveryReport()
+    held: list[Held] = []
+    for name in sorted(sp.names("cur")):
+        try:
+            held.append(sp.hold("cur", name))
+        except (Busy, Gone, FileNotFoundError):
+            continue
+        except (NotRegular, PermissionError):
+            try:
+                sp.move_entry("cur", name, "dead")
+                report.quarantined += 1
+            except FileNotFoundError:
+                pass
+    held_ids = {id_of(h.name) for h in held}
+    dead_workers = registry.take_dead(sp, wait_for=held_ids)
+    runs: dict[str, tuple[registry.DeadRegistration, dict]] = {}
+    for reg in dead_workers:
+        report.killed += reg.kill_processes()
+        for job_id, entry in reg.jobs.items():
+            if not isinstance(entry, dict) or not isinstance(entry.get("attempt"), int):
+                continue
+            # Two dead workers may both list a job (one entry stale): the
+            # latest attempt is the run that was interrupted.
+            if job_id not in runs or entry["attempt"] > runs[job_id][1]["attempt"]:
+                runs[job_id] = (reg, entry)
+    for h in held:
+        try:
+            _recover_one(ctx, h, runs.get(id_of(h.name)), report)
+        finally:
+            h.release()
+    for reg in dead_workers:
+        # Clear a registration only when none of its jobs is left in cur/
+        # for another recovery (which holds it right now) to handle.
+        if any(job_id not in held_ids and locate_in(sp, "cur", job_id) for job_id in reg.jobs):
+            reg.release()
+        else:
+            reg.remove()
+            report.workers += 1
+    return report
+
+
+def locate_in(sp: SpoolDir, state: str, job_id: str) -> bool:
+    try:
+        sp.lstat(state, file_name(job_id))
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def _recover_one(ctx: Context, held: Held, run: tuple | None, report: RecoveryReport) -> None:
+    try:
+        job = check(ctx, held.st, held.read, held.name)
+    except InvalidJob:
+        quarantine(ctx, held, "invalid")
+        report.quarantined += 1
+        return
+    attempts = int(job.get("attempts") or 0)
+    reg, entry = run if run else (None, None)
+    run_attempt = entry.get("attempt") if entry and isinstance(entry.get("attempt"), int) else attempts + 1
+    if attempts >= run_attempt and job.get("state") in ("done", "failed", "dead"):
+        # The run finished and was recorded; only the last rename was lost.
+        due = time.time() if job["state"] == "failed" else None
+        _write_and_move(held, job, job["state"], due)
+        report.completed += 1
+        return
+    worker_id = str(reg.info.get("worker")) if reg else None
+    started = entry.get("started_at") if entry else None
+    start = time.time()
+    if isinstance(started, str):
+        try:
+            start = record.parse_time(started)
+        except ValueError:
+            pass
+    job["attempts"] = run_attempt - 1
+    out = Outcome(start=start, end=time.time(), error="interrupted: the worker running it died", interrupted=True)
+    claimed = Claimed(held, job, job["id"], held.st.st_mtime_ns, "cur")
+    dest, _ = finish(ctx, claimed, out, worker_id or "unknown", due_now=True)
+    if dest == "dead":
+        report.dead += 1
+    else:
+        report.recovered += 1

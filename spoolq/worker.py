@@ -1,0 +1,465 @@
+"""The worker loop: recover, then claim and run due jobs.
+
+One dispatcher lists the waiting folders once per pass and claims jobs from
+that sorted list; it lists again only when the list is used up, so a drain
+never lists a folder once per job. With ``jobs=1`` the dispatcher runs each
+job itself (no threads, the cheapest path); with ``jobs=N`` it hands claimed
+jobs to N slot threads and claims only when a slot is free.
+
+A drain ends when a pass claims nothing and no job finished since it began
+(a file locked by someone else cannot make it spin). In watch mode the
+dispatcher sleeps instead, until the watcher, the next due time, a finished
+job or the periodic rescan wakes it.
+
+Signals (when run from the main thread): the first SIGTERM or SIGINT stops
+claiming and lets running jobs finish; a second kills them (they go back to
+failed/, due now, the run counted). SIGHUP rereads config.json.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from typing import Any, Callable, TextIO
+
+from . import config, transitions
+from .protocol import Entry, SpoolError
+from .record import rfc3339
+from .registry import Registration
+from .runner import Limits, Outcome, RunHandle, call_handler, fork_handler, run_process
+
+SCAN_LIMIT = 100_000  # due entries kept per pass: bounds memory with a million files waiting
+
+
+class ForcedStop(BaseException):
+    """Raised into an in-process handler when the worker must stop now."""
+
+
+class Log:
+    """One grep-friendly line per job outcome on a stream (stderr)."""
+
+    def __init__(self, stream: TextIO | None = None, level: int = 1):
+        self.stream = stream if stream is not None else sys.stderr
+        self.level = level  # 0 quiet (problems only), 1 outcomes, 2 verbose
+        self._lock = threading.Lock()
+
+    def line(self, text: str, level: int = 1) -> None:
+        if level > self.level:
+            return
+        stamp = rfc3339()[:23] + "Z"
+        with self._lock:
+            try:
+                self.stream.write(f"{stamp} {text}\n")
+                self.stream.flush()
+            except (OSError, ValueError):
+                pass
+
+
+def _quote(text: str) -> str:
+    text = text.replace("\n", " ").replace('"', "'")
+    return f'"{text[:200]}"'
+
+
+class Waker:
+    """Wakes a sleeping dispatcher. The base class only reacts to wake()
+    calls (finished jobs, signals); watchers add filesystem events."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self.rescan_interval: float | None = None
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def wake(self) -> None:
+        self._event.set()
+
+    def clear(self) -> None:
+        self._event.clear()
+
+    def wait(self, timeout: float | None) -> bool:
+        return self._event.wait(timeout)
+
+    def check(self) -> None:
+        """Called on each rescan: restart a failed watch (watchers override)."""
+
+
+class Worker:
+    """Runs jobs from one spool until it is drained (or stopped, in watch mode)."""
+
+    def __init__(
+        self,
+        spool: Any,
+        handlers: dict[str, Callable[[Any], Any]] | None = None,
+        jobs: int = 1,
+        max_jobs: int | None = None,
+        max_time: float | None = None,
+        watch: bool = False,
+        poll: float | None = None,
+        log: Log | None = None,
+        signals: bool = True,
+        waker: Waker | None = None,
+        recover: bool = True,
+    ):
+        if jobs < 1:
+            raise ValueError("jobs must be at least 1")
+        self.spool = spool
+        self.ctx: transitions.Context = spool.context()
+        self.handlers = dict(handlers or {})
+        self.jobs = jobs
+        self.max_jobs = max_jobs
+        self.max_time = max_time
+        self.watch = watch
+        self.poll = poll
+        self.log = log or Log(level=0)
+        self.signals = signals
+        self.recover = recover
+        self.waker = waker
+        self.ran = 0
+        self.registration: Registration | None = None
+        self.failed_to_record = False
+        self._claimed = 0
+        self._active = 0
+        self._finished_since_scan = 0
+        self._stopping = False
+        self._forced = False
+        self._deadline: float | None = None
+        self._lock = threading.Lock()
+        self._running: dict[int, RunHandle] = {}  # thread id -> the run it is doing
+        self._slot_free = threading.Semaphore(jobs)
+        self._handoff: queue.Queue = queue.Queue()
+        self._base_env = dict(os.environ)
+        self._base_env["SPOOLQ_SPOOL"] = spool.path
+
+    # -- control -----------------------------------------------------------
+
+    def stop(self, force: bool = False) -> None:
+        """Stop claiming; with ``force`` also kill the running jobs."""
+        self._stopping = True
+        if force:
+            self._forced = True
+            self._kill_running()
+        if self.waker:
+            self.waker.wake()
+
+    def _kill_running(self) -> None:
+        with self._lock:
+            running = list(self._running.items())
+        main = threading.main_thread().ident
+        for thread_id, handle in running:
+            handle.kill()  # process jobs: the whole group; no-op for in-process ones
+            with handle._lock:
+                if handle.inline and thread_id != main:
+                    # An in-process handler in a slot thread: raise into it.
+                    # (In the main thread the signal handler raises itself.)
+                    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(ForcedStop))
+
+    def _on_signal(self, signum, frame) -> None:
+        if signum == signal.SIGHUP:
+            self.reload()
+            return
+        if not self._stopping:
+            self.log.line(f"worker={self._wid} signal={signal.Signals(signum).name} stopping: no more claims, running jobs finish", 0)
+            self.stop()
+            return
+        self.log.line(f"worker={self._wid} signal={signal.Signals(signum).name} stopping now: running jobs are killed and go back to failed/", 0)
+        self.stop(force=True)
+        handle = self._running.get(threading.main_thread().ident)
+        if handle is not None and handle.inline:
+            raise ForcedStop()
+
+    def reload(self) -> None:
+        """Reread config.json (SIGHUP)."""
+        try:
+            settings = config.load(self.spool.path)
+        except config.ConfigError as e:
+            self.log.line(f"worker={self._wid} reload failed: {e}", 0)
+            return
+        self.ctx.settings = settings
+        self.ctx._trusted = None
+        self.spool.dir.fsync = bool(settings["fsync"])
+        if self.waker:
+            self.waker.rescan_interval = self._rescan_interval()
+            self.waker.wake()
+        self.log.line(f"worker={self._wid} reloaded config.json", 1)
+
+    @property
+    def _wid(self) -> str:
+        return self.registration.worker_id if self.registration else "-"
+
+    def _rescan_interval(self) -> float:
+        if self.poll:
+            return float(self.poll)
+        return float(self.ctx.settings["rescan_interval"])
+
+    # -- main --------------------------------------------------------------
+
+    def run(self) -> int:
+        """Recover, then run jobs; returns how many ran."""
+        sp = self.spool
+        sp.dir.open(create=True)
+        self.registration = Registration(sp.dir)
+        self.registration.open()
+        self.registration.start_flusher()
+        old_handlers = {}
+        if self.signals and threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                old_handlers[sig] = signal.signal(sig, self._on_signal)
+        threads: list[threading.Thread] = []
+        try:
+            if self.max_time is not None:
+                self._deadline = time.monotonic() + self.max_time
+            if self.recover:
+                self._recover()
+            if self.waker is None:
+                if self.watch:
+                    from .watcher import make_waker
+
+                    self.waker = make_waker(sp.dir, poll=self.poll, log=self.log)
+                else:
+                    self.waker = Waker()
+            self.waker.rescan_interval = self._rescan_interval()
+            self.waker.start()
+            if self.jobs > 1:
+                for i in range(self.jobs):
+                    t = threading.Thread(target=self._slot, name=f"spoolq-slot-{i}", daemon=True)
+                    t.start()
+                    threads.append(t)
+            self._dispatch()
+        finally:
+            for _ in threads:
+                self._handoff.put(None)
+            for t in threads:
+                while t.is_alive():
+                    t.join(0.5)
+            if self.waker:
+                self.waker.stop()
+            for sig, old in old_handlers.items():
+                signal.signal(sig, old)
+            self.registration.close()
+        return self.ran
+
+    def _recover(self) -> None:
+        try:
+            report = transitions.recover(self.ctx)
+            removed = self.spool.dir.remove_tmp()
+        except (OSError, SpoolError) as e:
+            self.log.line(f"worker={self._wid} recovery failed: {e}", 0)
+            return
+        if report.recovered or report.dead or report.completed or report.quarantined or report.killed:
+            self.log.line(
+                f"worker={self._wid} recovered: failed={report.recovered} dead={report.dead} "
+                f"completed={report.completed} quarantined={report.quarantined} killed={report.killed}",
+                0,
+            )
+        if removed:
+            self.log.line(f"worker={self._wid} removed {removed} stale tmp/ files", 1)
+
+    def _may_claim(self) -> bool:
+        if self._stopping:
+            return False
+        if self.max_jobs is not None and self._claimed >= self.max_jobs:
+            return False
+        if self._deadline is not None and time.monotonic() >= self._deadline:
+            return False
+        return True
+
+    def _dispatch(self) -> None:
+        sp = self.spool.dir
+        waker = self.waker
+        entries: list[Entry] = []
+        pos = 0
+        claimed_this_pass = 0
+        next_due: int | None = None
+        first = True
+        while self._may_claim():
+            if pos >= len(entries):
+                if not first and claimed_this_pass == 0 and self._finished_since_scan == 0:
+                    # Nothing changed since the last look.
+                    if not self.watch and self._active == 0:
+                        break
+                    self.registration.flush()
+                    waker.wait(self._sleep_for(next_due))
+                    if not self._may_claim():
+                        break
+                waker.clear()
+                waker.check()
+                with self._lock:
+                    self._finished_since_scan = 0
+                scan = sp.scan(time.time_ns(), SCAN_LIMIT)
+                entries, pos, next_due = scan.due, 0, scan.next_due_ns
+                claimed_this_pass = 0
+                first = False
+                self.log.line(f"worker={self._wid} scan due={len(entries)}", 2)
+                continue
+            entry = entries[pos]
+            pos += 1
+            if self.jobs > 1 and not self._acquire_slot():
+                break
+            try:
+                claimed = transitions.claim(self.ctx, entry, time.time_ns(), self._on_quarantine)
+            except (OSError, SpoolError, ValueError) as e:
+                self.log.line(f"worker={self._wid} cannot claim {entry.state}/{entry.name}: {e}", 0)
+                claimed = None
+            if claimed is None:
+                if self.jobs > 1:
+                    self._slot_free.release()
+                continue
+            claimed_this_pass += 1
+            self._claimed += 1
+            with self._lock:
+                self._active += 1
+            if self.jobs == 1:
+                self._execute(claimed)
+            else:
+                self._handoff.put(claimed)
+        # Let the running jobs end (killed ones too, after a second signal).
+        if self.jobs > 1:
+            for _ in range(self.jobs):
+                while not self._slot_free.acquire(timeout=0.2):
+                    pass
+
+    def _sleep_for(self, next_due: int | None) -> float | None:
+        timeout = self.waker.rescan_interval if self.watch else None
+        if self.watch and next_due is not None:
+            until_due = max(0.0, next_due / 1e9 - time.time()) + 0.001
+            timeout = until_due if timeout is None else min(timeout, until_due)
+        if self._deadline is not None:
+            left = max(0.0, self._deadline - time.monotonic())
+            timeout = left if timeout is None else min(timeout, left)
+        return timeout
+
+    def _acquire_slot(self) -> bool:
+        while not self._slot_free.acquire(timeout=0.2):
+            if self._stopping:
+                return False
+        if not self._may_claim():
+            self._slot_free.release()
+            return False
+        return True
+
+    def _slot(self) -> None:
+        while True:
+            claimed = self._handoff.get()
+            if claimed is None:
+                return
+            self._execute(claimed)
+
+    def _on_quarantine(self, name: str, reason: str) -> None:
+        self.log.line(f"worker={self._wid} job={name} outcome=dead state=dead error={_quote(reason)}", 0)
+
+    # -- one job -----------------------------------------------------------
+
+    def _execute(self, claimed: transitions.Claimed) -> None:
+        try:
+            self._run_one(claimed)
+        finally:
+            with self._lock:
+                self._active -= 1
+                self._finished_since_scan += 1
+            if self.jobs > 1:
+                self._slot_free.release()
+                self.waker.wake()  # the dispatcher may be waiting for a finish
+
+    def _limits(self, job: dict) -> Limits:
+        s = self.ctx.settings
+        timeout = job.get("timeout")
+        if timeout is None:
+            timeout = s["timeout"]
+        return Limits(float(timeout), float(s["timeout_grace"]), int(s["output_limit"]))
+
+    def _run_one(self, claimed: transitions.Claimed) -> None:
+        job = claimed.job
+        job_id = claimed.job_id
+        attempt = claimed.attempt
+        reg = self.registration
+        thread_id = threading.get_ident()
+        handle = RunHandle()
+        limits = self._limits(job)
+        inline = job.get("kind") is not None and limits.timeout <= 0
+        try:
+            reg.job_started(job_id, attempt)
+        except OSError as e:
+            self.log.line(f"worker={self._wid} job={job_id} cannot register the run: {e}", 0)
+        with self._lock:
+            self._running[thread_id] = handle
+
+        def spawned(pid: int, start: int | None) -> None:
+            reg.job_spawned(job_id, pid, start)
+
+        out: Outcome
+        try:
+            if self._forced:
+                handle.interrupted = True
+            if job.get("kind") is not None:
+                handler = self.handlers.get(job["kind"])
+                if self._forced:
+                    out = Outcome(start=time.time(), end=time.time(), error="killed: the worker was told to stop now", interrupted=True)
+                elif inline:
+                    out = call_handler(handler, job, limits, handle)
+                else:
+                    out = fork_handler(handler, job, limits, handle, spawned)
+            else:
+                out = run_process(job, self._env(job, attempt), limits, handle, spawned)
+        except ForcedStop:
+            out = Outcome(start=time.time(), end=time.time(), error="killed: the worker was told to stop now", interrupted=True)
+        finally:
+            with self._lock:
+                self._running.pop(thread_id, None)
+        try:
+            dest, due = transitions.finish(self.ctx, claimed, out, reg.worker_id)
+        except (OSError, SpoolError) as e:
+            claimed.held.release()
+            self.failed_to_record = True
+            self._stopping = True
+            self.log.line(
+                f"worker={self._wid} job={job_id} error={_quote(f'cannot record the outcome: {e}')} "
+                "it stays in cur/ for recovery; the worker stops claiming",
+                0,
+            )
+            return
+        finally:
+            try:
+                reg.job_ended(job_id)
+            except OSError:
+                pass
+        self.ran += 1
+        self._log_outcome(job, out, attempt, dest, due)
+
+    def _env(self, job: dict, attempt: int) -> dict[str, str]:
+        env = dict(self._base_env)
+        extra = job.get("env")
+        if extra:
+            env.update(extra)
+        env["SPOOLQ_JOB_ID"] = job["id"]
+        env["SPOOLQ_ATTEMPT"] = str(attempt)
+        env["SPOOLQ_SPOOL"] = self.spool.path
+        env["SPOOLQ_WORKER"] = self.registration.worker_id
+        return env
+
+    def _log_outcome(self, job: dict, out: Outcome, attempt: int, dest: str, due: float | None) -> None:
+        if self.log.level < 1 and dest != "dead":
+            return
+        outcome = {"done": "succeeded", "failed": "failed", "dead": "dead"}[dest]
+        max_attempts = job.get("max_attempts") or self.ctx.settings["max_attempts"]
+        parts = [
+            f"worker={self._wid}",
+            f"job={job['id']}",
+            f"outcome={outcome}",
+            f"attempt={attempt}/{max_attempts}",
+            f"duration={max(0.0, out.end - out.start):.3f}s",
+            f"exit={out.exit_code if out.exit_code is not None else '-'}",
+        ]
+        if due is not None:
+            parts.append(f"retry_in={max(0.0, due - time.time()):.1f}s")
+        if out.error:
+            parts.append(f"error={_quote(out.error)}")
+        self.log.line(" ".join(parts), 0 if dest == "dead" else 1)

@@ -1,0 +1,115 @@
+"""Test helpers: every test drives the real ``spoolq`` command in a
+subprocess against a real spool directory on the real filesystem."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+_script = shutil.which("spoolq", path=os.path.dirname(sys.executable))
+SPOOLQ = [_script] if _script else [sys.executable, "-m", "spoolq"]
+STATES = ("new", "cur", "failed", "dead", "done")
+
+
+def wait_for(condition, timeout: float = 30.0, interval: float = 0.02, what: str = "condition"):
+    """Poll ``condition`` until it returns something true; fail after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+class SpoolFixture:
+    """A spool directory plus shortcuts to run spoolq against it."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def run(self, *args: str, input: str | None = None, timeout: float = 120, env: dict | None = None,
+            check: bool = True, cwd: str | None = None) -> subprocess.CompletedProcess:
+        full_env = dict(os.environ)
+        full_env.pop("SPOOLQ_DIR", None)
+        if env:
+            full_env.update(env)
+        proc = subprocess.run(
+            SPOOLQ + ["-s", str(self.path), *args], input=input, capture_output=True, text=True,
+            timeout=timeout, env=full_env, cwd=cwd,
+        )
+        if check and proc.returncode != 0:
+            raise AssertionError(f"spoolq {' '.join(args)} exited {proc.returncode}: {proc.stderr}")
+        return proc
+
+    def popen(self, *args: str, **kw) -> subprocess.Popen:
+        env = dict(os.environ)
+        env.pop("SPOOLQ_DIR", None)
+        env.update(kw.pop("env", {}) or {})
+        return subprocess.Popen(SPOOLQ + ["-s", str(self.path), *args], env=env, **kw)
+
+    def enqueue(self, *args: str, **kw) -> str:
+        return self.run("enqueue", *args, **kw).stdout.strip()
+
+    def work(self, *args: str, **kw) -> subprocess.CompletedProcess:
+        return self.run("work", *args, **kw)
+
+    def names(self, state: str) -> list[str]:
+        try:
+            return sorted(n for n in os.listdir(self.path / state) if not n.startswith("."))
+        except FileNotFoundError:
+            return []
+
+    def ids(self, state: str) -> list[str]:
+        return [n[:-5] if n.endswith(".json") else n for n in self.names(state)]
+
+    def where(self, job_id: str) -> list[str]:
+        """Every state folder holding the job (a correct spool: exactly one)."""
+        return [s for s in STATES if (self.path / s / f"{job_id}.json").exists() or (self.path / s / job_id).exists()]
+
+    def record(self, state: str, job_id: str) -> dict:
+        return json.loads((self.path / state / f"{job_id}.json").read_text())
+
+    def show(self, job_id: str) -> dict:
+        return json.loads(self.run("show", job_id, "--json").stdout)
+
+    def status(self) -> dict:
+        return json.loads(self.run("status", "--json").stdout)
+
+    def config(self, key: str, value) -> None:
+        self.run("config", "set", key, str(value))
+
+    def drop(self, name: str, content: bytes | str, folder: str = "new") -> Path:
+        """Drop a file the Maildir way: write in tmp/, rename into the folder."""
+        data = content.encode() if isinstance(content, str) else content
+        tmp = self.path / "tmp" / ("drop." + name.replace("/", "_"))
+        tmp.write_bytes(data)
+        target = self.path / folder / name
+        os.rename(tmp, target)
+        return target
+
+
+@pytest.fixture
+def spool(tmp_path: Path) -> SpoolFixture:
+    """A fresh spool with fsync on (the default) in a temporary directory."""
+    s = SpoolFixture(tmp_path / "spool")
+    s.run("init")
+    return s
+
+
+@pytest.fixture
+def fast_spool(tmp_path: Path) -> SpoolFixture:
+    """A fresh spool with fsync off, for tests that move many jobs."""
+    s = SpoolFixture(tmp_path / "spool")
+    s.run("init")
+    s.config("fsync", "false")
+    return s

@@ -1,0 +1,238 @@
+"""The command line: init, every form of enqueue, status, list, show, config
+and the exit codes of section 7."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import time
+
+from conftest import STATES, SpoolFixture
+
+
+def test_init_creates_private_layout_and_is_idempotent(tmp_path):
+    s = SpoolFixture(tmp_path / "q")
+    out = s.run("init").stdout.strip()
+    assert out == str(s.path)
+    for folder in ("tmp",) + STATES:
+        st = os.stat(s.path / folder)
+        assert stat.S_ISDIR(st.st_mode)
+        assert stat.S_IMODE(st.st_mode) == 0o700
+    s.run("init")  # again: no error, nothing changes
+    assert sorted(os.listdir(s.path)) == sorted(["tmp", "workers", *STATES])
+
+
+def test_enqueue_creates_the_spool_on_demand(tmp_path):
+    s = SpoolFixture(tmp_path / "fresh")
+    job_id = s.enqueue("true")
+    assert s.ids("new") == [job_id]
+    assert stat.S_IMODE(os.stat(s.path / "new" / f"{job_id}.json").st_mode) == 0o600
+
+
+def test_spool_from_environment(tmp_path):
+    import subprocess
+
+    from conftest import SPOOLQ
+
+    env = dict(os.environ, SPOOLQ_DIR=str(tmp_path / "envspool"))
+    out = subprocess.run(SPOOLQ + ["enqueue", "true"], env=env, capture_output=True, text=True, check=True)
+    assert (tmp_path / "envspool" / "new" / f"{out.stdout.strip()}.json").exists()
+
+
+def test_enqueue_shell_command(spool):
+    job_id = spool.enqueue("echo 'a b' | tr a-z A-Z")
+    job = spool.record("new", job_id)
+    assert job["command"] == "echo 'a b' | tr a-z A-Z"
+    assert job["id"] == job_id and job["state"] == "new" and job["attempts"] == 0
+    assert job["created_at"].endswith("Z")
+
+
+def test_enqueue_argv(spool):
+    job_id = spool.enqueue("--argv", "--", "printf", "%s\n", "--not-an-option")
+    assert spool.record("new", job_id)["argv"] == ["printf", "%s\n", "--not-an-option"]
+
+
+def test_enqueue_kind_with_payload(spool):
+    job_id = spool.enqueue("--kind", "send_email", "--payload", '{"to": "a@example.com"}')
+    job = spool.record("new", job_id)
+    assert job["kind"] == "send_email" and job["payload"] == {"to": "a@example.com"}
+
+
+def test_enqueue_json_and_stdin(spool):
+    a = spool.enqueue("--json", '{"command": "true", "max_attempts": 3, "custom": [1, 2]}')
+    b = spool.enqueue("--json", "-", input='{"argv": ["true"], "timeout": 5}')
+    ja, jb = spool.record("new", a), spool.record("new", b)
+    assert ja["max_attempts"] == 3 and ja["custom"] == [1, 2]  # unknown fields are kept
+    assert jb["argv"] == ["true"] and jb["timeout"] == 5
+
+
+def test_enqueue_jsonl_from_file_and_stdin(spool, tmp_path):
+    path = tmp_path / "jobs.jsonl"
+    path.write_text('{"command": "true"}\n\n{"kind": "k", "id": "fixed-1"}\n')
+    ids = spool.run("enqueue", "--jsonl", str(path)).stdout.split()
+    assert len(ids) == 2 and ids[1] == "fixed-1"
+    more = spool.run("enqueue", "--jsonl", "-", "--max-attempts", "2",
+                     input="".join(json.dumps({"command": f"echo {i}"}) + "\n" for i in range(50))).stdout.split()
+    assert len(more) == 50 and len(set(more)) == 50
+    assert all(spool.record("new", i)["max_attempts"] == 2 for i in more)
+    assert set(spool.ids("new")) == set(ids + more)
+
+
+def test_enqueue_jsonl_rejects_a_bad_line_and_enqueues_nothing(spool):
+    proc = spool.run("enqueue", "--jsonl", "-", input='{"command": "true"}\n{"command": 1}\n', check=False)
+    assert proc.returncode == 2
+    assert "job 2" in proc.stderr and "command must be" in proc.stderr
+    assert spool.ids("new") == []
+
+
+def test_enqueue_options(spool, tmp_path):
+    job_id = spool.enqueue(
+        "--id", "report-42", "--max-attempts", "3", "--timeout", "1.5", "--env", "A=1", "--env", "B=x=y",
+        "--cwd", str(tmp_path), "--payload", "[1, 2]", "cat",
+    )
+    assert job_id == "report-42"
+    job = spool.record("new", job_id)
+    assert job["max_attempts"] == 3 and job["timeout"] == 1.5
+    assert job["env"] == {"A": "1", "B": "x=y"} and job["cwd"] == str(tmp_path) and job["payload"] == [1, 2]
+
+
+def test_enqueue_delay_sets_the_due_time(spool):
+    before = time.time()
+    a = spool.enqueue("--in", "2h", "true")
+    b = spool.enqueue("--at", "2030-01-02T03:04:05Z", "true")
+    c = spool.enqueue("--at", str(int(before) + 90), "true")
+    assert abs(os.stat(spool.path / "new" / f"{a}.json").st_mtime - (before + 7200)) < 30
+    assert os.stat(spool.path / "new" / f"{b}.json").st_mtime == 1893553445
+    assert os.stat(spool.path / "new" / f"{c}.json").st_mtime == int(before) + 90
+    assert spool.record("new", b)["run_at"] == "2030-01-02T03:04:05.000000Z"
+
+
+def test_generated_ids_are_unique_and_sort_in_creation_order(spool):
+    ids = spool.run("enqueue", "--jsonl", "-", input='{"command": "true"}\n' * 300).stdout.split()
+    ids += [spool.enqueue("true") for _ in range(3)]
+    assert len(set(ids)) == len(ids)
+    assert ids == sorted(ids)
+
+
+def test_duplicate_id_is_refused_in_any_state(spool):
+    spool.enqueue("--id", "once", "true")
+    proc = spool.run("enqueue", "--id", "once", "true", check=False)
+    assert proc.returncode == 1 and "already in new/" in proc.stderr
+    spool.work()
+    proc = spool.run("enqueue", "--id", "once", "true", check=False)
+    assert proc.returncode == 1 and "already in done/" in proc.stderr
+    assert spool.where("once") == ["done"]
+
+
+def test_usage_errors_exit_2_with_one_line(spool):
+    cases = [
+        ["enqueue"],
+        ["enqueue", "a", "b"],
+        ["enqueue", "--kind", "k", "--json", "{}"],
+        ["enqueue", "--json", "[1]"],
+        ["enqueue", "--json", "{nope"],
+        ["enqueue", "--payload", "{bad", "true"],
+        ["enqueue", "--max-attempts", "0", "true"],
+        ["enqueue", "--in", "soon", "true"],
+        ["enqueue", "--at", "yesterday", "true"],
+        ["enqueue", "--in", "5m", "--at", "2030-01-01T00:00:00Z", "true"],
+        ["enqueue", "--env", "NOEQUALS", "true"],
+        ["enqueue", "--id", "../x", "true"],
+        ["enqueue", "--id", ".hidden", "true"],
+        ["enqueue", "--id", "a/b", "true"],
+        ["enqueue", "--json", '{"command": "true", "env": {"A": 1}}'],
+        ["enqueue", "--json", '{"command": "true", "argv": ["x"]}'],
+        ["work", "-j", "0"],
+        ["work", "--max-time", "forever"],
+        ["list", "--state", "bogus"],
+        ["config", "set", "max_attempts", "zero"],
+        ["config", "set", "no_such_key", "1"],
+        ["config", "get", "no_such_key"],
+        ["retry"],
+    ]
+    for args in cases:
+        proc = spool.run(*args, check=False)
+        assert proc.returncode == 2, (args, proc.returncode, proc.stderr)
+        assert "Traceback" not in proc.stderr, args
+        assert proc.stderr.strip(), args
+    assert spool.ids("new") == []
+
+
+def test_requests_that_cannot_be_done_exit_1(spool):
+    for args in (["show", "nope"], ["cancel", "nope"], ["retry", "nope"], ["show", "../etc"]):
+        proc = spool.run(*args, check=False)
+        assert proc.returncode == 1, args
+        assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+
+
+def test_commands_on_a_missing_spool_say_so(tmp_path):
+    s = SpoolFixture(tmp_path / "missing")
+    for args in (["status"], ["list"], ["show", "x"], ["sweep"]):
+        proc = s.run(*args, check=False)
+        assert proc.returncode == 1 and "no spool" in proc.stderr, args
+
+
+def test_status_list_and_show(fast_spool):
+    s = fast_spool
+    ok = s.enqueue("echo out; echo err >&2")
+    bad = s.enqueue("--max-attempts", "1", "exit 7")
+    later = s.enqueue("--in", "1h", "true")
+    s.work()
+    st = s.status()
+    assert {k: st[k] for k in STATES} == {"new": 1, "cur": 0, "failed": 0, "dead": 1, "done": 1}
+    assert st["workers"] == []
+    human = s.run("status").stdout
+    assert "new" in human and "dead" in human
+    lines = [json.loads(line) for line in s.run("list", "--json").stdout.splitlines()]
+    assert {j["id"]: j["state"] for j in lines} == {ok: "done", bad: "dead", later: "new"}
+    assert [j["id"] for j in lines][-1] == later  # oldest first by due/finish time: the delayed one last
+    assert [j["id"] for j in map(json.loads, s.run("list", "--json", "--state", "dead").stdout.splitlines())] == [bad]
+    assert len(s.run("list", "--limit", "2").stdout.splitlines()) == 2
+    done = s.show(ok)
+    assert done["state"] == "done" and done["outcome"] == "succeeded"
+    assert done["stdout"] == "out\n" and done["stderr"] == "err\n" and done["exit_code"] == 0
+    dead = s.show(bad)
+    assert dead["state"] == "dead" and dead["exit_code"] == 7 and dead["error"] == "exit status 7"
+    assert len(dead["history"]) == 1 and dead["history"][0]["attempt"] == 1
+    text = s.run("show", ok).stdout
+    assert "outcome: succeeded" in text and "| out" in text
+
+
+def test_config_list_get_set(spool):
+    spool.run("config", "set", "max_attempts", "7")
+    spool.run("config", "set", "fsync", "off")
+    spool.run("config", "set", "trusted_users", "www-data,nobody")
+    spool.run("config", "set", "backoff_initial", "1.5")
+    assert spool.run("config", "get", "max_attempts").stdout.strip() == "7"
+    assert spool.run("config", "get", "fsync").stdout.strip() == "false"
+    assert json.loads(spool.run("config", "get", "trusted_users").stdout) == ["www-data", "nobody"]
+    listing = spool.run("config", "list").stdout
+    assert "backoff_initial = 1.5" in listing and "rescan_interval = 30" in listing
+    stored = json.loads((spool.path / "config.json").read_text())
+    assert stored == {"max_attempts": 7, "fsync": False, "trusted_users": ["www-data", "nobody"], "backoff_initial": 1.5}
+    for key, value in [("max_attempts", "0"), ("backoff_factor", "0.5"), ("fsync", "maybe"),
+                       ("output_limit", "-1"), ("rescan_interval", "0"), ("timeout", "abc")]:
+        proc = spool.run("config", "set", key, value, check=False)
+        assert proc.returncode == 2 and key in proc.stderr
+
+
+def test_a_broken_config_file_is_a_clear_error(spool):
+    (spool.path / "config.json").write_text("{not json")
+    proc = spool.run("work", check=False)
+    assert proc.returncode == 2 and "config.json" in proc.stderr and "Traceback" not in proc.stderr
+    (spool.path / "config.json").write_text('{"max_attempts": -3}')
+    proc = spool.run("enqueue", "true", check=False)
+    assert proc.returncode == 2 and "max_attempts" in proc.stderr
+
+
+def test_list_pipe_closed_early_is_quiet(fast_spool):
+    import subprocess
+
+    from conftest import SPOOLQ
+
+    fast_spool.run("enqueue", "--jsonl", "-", input='{"command": "true"}\n' * 200)
+    proc = subprocess.run(" ".join(SPOOLQ) + f" -s {fast_spool.path} list | head -1", shell=True,
+                          capture_output=True, text=True)
+    assert "Traceback" not in proc.stderr and "Broken pipe" not in proc.stderr
+    assert len(proc.stdout.splitlines()) == 1

@@ -1,0 +1,123 @@
+"""Files that can never run go to dead/ byte-for-byte unchanged, with the
+reason printed by ``show --json`` and ``list --json``; the worker never
+crashes and never runs them."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+BAD_FILES = {
+    "not-json": (b"this is not json", "not valid JSON"),
+    "empty": (b"", "empty file"),
+    "binary": (bytes(range(256)) * 4, "not UTF-8"),
+    "not-object": (b'["command", "true"]', "not a JSON object"),
+    "string": (b'"true"', "not a JSON object"),
+    "no-target": (b'{"payload": 1}', "exactly one of command, argv or kind"),
+    "two-targets": (b'{"command": "true", "kind": "x"}', "it has command, kind"),
+    "null-target": (b'{"command": null}', "it has none"),
+    "command-type": (b'{"command": ["true"]}', "command must be a non-empty string"),
+    "argv-type": (b'{"argv": "true"}', "argv must be a non-empty list"),
+    "argv-items": (b'{"argv": ["true", 1]}', "argv must be a non-empty list"),
+    "max-attempts-0": (b'{"command": "true", "max_attempts": 0}', "max_attempts must be an integer >= 1"),
+    "max-attempts-float": (b'{"command": "true", "max_attempts": 2.5}', "max_attempts"),
+    "max-attempts-bool": (b'{"command": "true", "max_attempts": true}', "max_attempts"),
+    "timeout-neg": (b'{"command": "true", "timeout": -1}', "timeout must be"),
+    "timeout-str": (b'{"command": "true", "timeout": "5"}', "timeout must be"),
+    "env-int": (b'{"command": "true", "env": {"A": 1}}', "env['A'] must be a string"),
+    "env-list": (b'{"command": "true", "env": ["A=1"]}', "env must be an object"),
+    "run-at-words": (b'{"command": "true", "run_at": "yesterday"}', "run_at"),
+    "run-at-naive": (b'{"command": "true", "run_at": "2026-01-01T00:00:00"}', "run_at"),
+    "id-dotdot": (b'{"command": "true", "id": "../x"}', "'../x'"),
+    "id-slash": (b'{"command": "true", "id": "a/b"}', "contains '/'"),
+    "id-hidden": (b'{"command": "true", "id": ".hidden"}', "starts with a dot"),
+    "cwd-type": (b'{"command": "true", "cwd": 7}', "cwd must be"),
+    "nul-in-command": (b'{"command": "tr\\u0000ue"}', "NUL"),
+    "nan": (b'{"command": "true", "timeout": NaN}', "timeout"),
+    "deep": (b"[" * 100000 + b"]" * 100000, "nested too deeply"),
+    "attempts-type": (b'{"command": "true", "attempts": "many"}', "attempts"),
+}
+
+
+def test_every_malformed_class_goes_to_dead_unchanged_with_a_reason(fast_spool, tmp_path):
+    s = fast_spool
+    marker = tmp_path / "ran"
+    for name, (data, _) in BAD_FILES.items():
+        s.drop(f"{name}.json", data.replace(b"true", f"touch {marker}".encode()) if b"NaN" in data else data)
+    s.enqueue("--id", "good", "true")
+    proc = s.work()
+    assert "Traceback" not in proc.stderr
+    assert not marker.exists()
+    assert s.where("good") == ["done"]
+    assert sorted(s.ids("dead")) == sorted(BAD_FILES)
+    listed = {j["id"]: j for j in map(json.loads, s.run("list", "--state", "dead", "--json").stdout.splitlines())}
+    for name, (data, reason) in BAD_FILES.items():
+        on_disk = (s.path / "dead" / f"{name}.json").read_bytes()
+        if b"NaN" not in data:
+            assert on_disk == data, name  # byte for byte
+        assert reason in listed[name]["error"], (name, listed[name]["error"])
+        shown = s.show(name)
+        assert shown["state"] == "dead" and reason in shown["error"], name
+    assert s.ids("new") == [] and s.ids("cur") == []
+
+
+def test_hostile_names_and_id_fields(fast_spool):
+    s = fast_spool
+    # A name that is not a valid id (spaces, too long) goes to dead/ unchanged.
+    s.drop("has space.json", b'{"command": "true"}')
+    s.drop("x" * 200 + ".json", b'{"command": "true"}')
+    s.work()
+    assert sorted(s.names("dead")) == sorted(["has space.json", "x" * 200 + ".json"])
+    listed = [json.loads(line) for line in s.run("list", "--json", "--state", "dead").stdout.splitlines()]
+    assert all("bad file name" in j["error"] for j in listed)
+
+
+def test_oversized_files_are_not_read(fast_spool):
+    s = fast_spool
+    s.config("max_job_bytes", 1000)
+    s.drop("big.json", json.dumps({"command": "true", "pad": "x" * 5000}))
+    proc = s.run("enqueue", "--payload", json.dumps("y" * 5000), "true", check=False)
+    assert proc.returncode == 2 and "max_job_bytes" in proc.stderr
+    s.work()
+    assert s.where("big") == ["dead"]
+    assert "larger than max_job_bytes (1000)" in s.show("big")["error"]
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo", "directory", "dangling"])
+def test_special_files_are_never_followed_or_opened(fast_spool, tmp_path, kind):
+    s = fast_spool
+    target = tmp_path / "target.json"
+    target.write_text(json.dumps({"command": f"touch {tmp_path}/followed"}))
+    path = s.path / "new" / "odd.json"
+    if kind == "symlink":
+        os.symlink(target, path)
+    elif kind == "dangling":
+        os.symlink(tmp_path / "missing", path)
+    elif kind == "fifo":
+        os.mkfifo(path)
+    else:
+        os.mkdir(path)
+    s.enqueue("true")
+    proc = s.work(timeout=30)  # a FIFO opened for reading would hang here
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "followed").exists()
+    assert s.names("dead") == ["odd.json"]
+    moved = s.path / "dead" / "odd.json"
+    if kind in ("symlink", "dangling"):
+        assert os.path.islink(moved)  # the link itself moved, not its target
+        assert target.exists()
+    expected = {"symlink": "a symlink", "dangling": "a symlink", "fifo": "a FIFO", "directory": "a directory"}[kind]
+    assert s.show("odd")["error"].startswith(expected)
+
+
+def test_a_dead_file_fixed_by_hand_runs_after_retry(fast_spool):
+    s = fast_spool
+    s.drop("fixme.json", b'{"command": ')
+    s.work()
+    assert s.where("fixme") == ["dead"]
+    (s.path / "dead" / "fixme.json").write_text('{"command": "true"}')
+    s.run("retry", "fixme")
+    s.work()
+    assert s.show("fixme")["state"] == "done"

@@ -1,0 +1,265 @@
+"""Running jobs with ``spoolq work`` in drain mode: the process contract of
+section 6, retries and backoff, dead letters, cancel and retry."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from conftest import wait_for
+
+
+def test_a_job_sees_its_environment_payload_and_cwd(fast_spool, tmp_path):
+    s = fast_spool
+    out = tmp_path / "seen.json"
+    script = (
+        "import json, os, sys; "
+        "json.dump({'id': os.environ['SPOOLQ_JOB_ID'], 'attempt': os.environ['SPOOLQ_ATTEMPT'], "
+        "'spool': os.environ['SPOOLQ_SPOOL'], 'extra': os.environ.get('EXTRA'), 'cwd': os.getcwd(), "
+        "'stdin': sys.stdin.read()}, open(sys.argv[1], 'w'))"
+    )
+    import sys
+
+    job_id = s.enqueue("--argv", "--env", "EXTRA=yes", "--cwd", str(tmp_path), "--payload", '{"n": 5}',
+                       "--", sys.executable, "-c", script, str(out))
+    s.work()
+    seen = json.loads(out.read_text())
+    assert seen == {"id": job_id, "attempt": "1", "spool": str(s.path), "extra": "yes",
+                    "cwd": str(tmp_path), "stdin": '{"n": 5}'}
+    assert s.where(job_id) == ["done"]
+
+
+def test_a_job_without_payload_reads_empty_stdin(fast_spool):
+    job_id = fast_spool.enqueue("wc -c")
+    fast_spool.work()
+    assert fast_spool.show(job_id)["stdout"].strip() == "0"
+
+
+def test_output_tails_are_kept_up_to_output_limit(fast_spool):
+    s = fast_spool
+    s.config("output_limit", 100)
+    job_id = s.enqueue("seq 1 10000; seq 1 5000 >&2")
+    s.work()
+    job = s.show(job_id)
+    assert len(job["stdout"]) == 100 and job["stdout"].endswith("9999\n10000\n")
+    assert len(job["stderr"]) == 100 and job["stderr"].endswith("5000\n")
+
+
+def test_a_background_child_does_not_hold_the_worker(fast_spool, tmp_path):
+    """Output goes to files, not pipes: `sleep 300 &` must not keep the run open."""
+    s = fast_spool
+    job_id = s.enqueue(f"sleep 300 & echo $! > {tmp_path}/bg.pid; echo started")
+    started = time.monotonic()
+    s.work(timeout=60)
+    assert time.monotonic() - started < 30
+    assert s.show(job_id)["stdout"] == "started\n"
+    os.kill(int((tmp_path / "bg.pid").read_text()), 9)
+
+
+def test_exit_100_fails_permanently(fast_spool):
+    job_id = fast_spool.enqueue("exit 100")
+    fast_spool.work()
+    job = fast_spool.show(job_id)
+    assert job["state"] == "dead" and job["attempts"] == 1 and "permanently" in job["error"]
+
+
+def test_a_missing_program_or_cwd_is_a_failure_not_a_crash(fast_spool, tmp_path):
+    s = fast_spool
+    s.config("max_attempts", 1)
+    a = s.enqueue("--argv", "--", "/no/such/program")
+    b = s.enqueue("--cwd", str(tmp_path / "nowhere"), "true")
+    proc = s.work()
+    assert "Traceback" not in proc.stderr
+    assert "cannot start" in s.show(a)["error"] and "/no/such/program" in s.show(a)["error"]
+    assert "nowhere" in s.show(b)["error"]
+    assert s.where(a) == ["dead"] and s.where(b) == ["dead"]
+
+
+def test_timeout_kills_the_whole_process_group(fast_spool, tmp_path):
+    s = fast_spool
+    s.config("timeout_grace", 1)
+    pids = tmp_path / "pids"
+    # The shell ignores TERM, and leaves a grandchild behind: both must die.
+    job_id = s.enqueue("--timeout", "1", "--max-attempts", "1",
+                       f"trap '' TERM; sleep 300 & echo $! >> {pids}; echo $$ >> {pids}; while :; do sleep 1; done")
+    started = time.monotonic()
+    s.work(timeout=60)
+    took = time.monotonic() - started
+    job = s.show(job_id)
+    assert job["state"] == "dead" and job["error"] == "timed out after 1s"
+    assert took < 20
+    for pid in map(int, pids.read_text().split()):
+        wait_for(lambda: not _alive(pid), timeout=10, what=f"pid {pid} to die")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+def test_failures_retry_with_backoff_then_go_dead(fast_spool):
+    s = fast_spool
+    s.config("backoff_initial", 100)
+    s.config("backoff_factor", 3)
+    job_id = s.enqueue("--max-attempts", "3", "exit 2")
+    before = time.time()
+    s.work()
+    path = s.path / "failed" / f"{job_id}.json"
+    assert s.where(job_id) == ["failed"]
+    delay = os.stat(path).st_mtime - before
+    assert 90 - 1 <= delay <= 110 + 5  # 100 s +-10 % jitter
+    s.work()  # not due: nothing happens
+    assert s.record("failed", job_id)["attempts"] == 1
+    os.utime(path, (time.time() - 1, time.time() - 1))  # make it due now
+    before = time.time()
+    s.work()
+    delay = os.stat(path).st_mtime - before
+    assert 270 - 1 <= delay <= 330 + 5  # 100 * 3 = 300 s +-10 %
+    os.utime(path, (time.time() - 1, time.time() - 1))
+    s.work()
+    job = s.show(job_id)
+    assert job["state"] == "dead" and job["attempts"] == 3
+    assert [h["attempt"] for h in job["history"]] == [1, 2, 3]
+    assert all(h["exit_code"] == 2 for h in job["history"])
+
+
+def test_backoff_is_capped_and_zero_stays_zero(fast_spool):
+    s = fast_spool
+    s.config("backoff_initial", 1000)
+    s.config("backoff_max", 50)
+    capped = s.enqueue("--max-attempts", "2", "exit 1")
+    before = time.time()
+    s.work()
+    assert 45 - 1 <= os.stat(s.path / "failed" / f"{capped}.json").st_mtime - before <= 55 + 5
+    s.config("backoff_initial", 0)
+    zero = s.enqueue("--max-attempts", "4", "exit 1")
+    s.work()  # zero backoff: due again at once, so one drain runs all four attempts
+    assert s.show(zero)["attempts"] == 4 and s.where(zero) == ["dead"]
+
+
+def test_dead_job_back_with_retry_and_with_mv(fast_spool):
+    s = fast_spool
+    s.config("backoff_initial", 0)
+    flag = s.path.parent / "flag"
+    a = s.enqueue("--max-attempts", "2", f"test -e {flag}")
+    b = s.enqueue("--max-attempts", "2", f"test -e {flag}")
+    s.work()
+    assert s.where(a) == ["dead"] and s.where(b) == ["dead"]
+    flag.write_text("")
+    assert s.run("retry", a).stdout.strip() == a
+    os.rename(s.path / "dead" / f"{b}.json", s.path / "new" / f"{b}.json")  # the operator's way
+    s.work()
+    for job_id in (a, b):
+        job = s.show(job_id)
+        assert job["state"] == "done"
+        assert job["attempts"] == 1  # a fresh round ...
+        assert len(job["history"]) == 3  # ... with the history kept
+
+
+def test_retry_all_and_exit_codes(fast_spool):
+    s = fast_spool
+    ids = [s.enqueue("--max-attempts", "1", "false") for _ in range(3)]
+    s.work()
+    assert sorted(s.run("retry", "--all").stdout.split()) == sorted(ids)
+    assert sorted(s.ids("new")) == sorted(ids)
+    proc = s.run("retry", ids[0], check=False)
+    assert proc.returncode == 1 and "new/" in proc.stderr
+
+
+def test_cancel_waiting_jobs_but_not_running_or_finished(fast_spool):
+    s = fast_spool
+    waiting = s.enqueue("--in", "1h", "true")
+    s.run("cancel", waiting)
+    job = s.show(waiting)
+    assert job["state"] == "done" and job["outcome"] == "cancelled"
+    failed = s.enqueue("--max-attempts", "3", "false")
+    s.work()
+    assert s.where(failed) == ["failed"]
+    s.run("cancel", failed)
+    assert s.show(failed)["outcome"] == "cancelled"
+    proc = s.run("cancel", waiting, check=False)
+    assert proc.returncode == 1 and "done/" in proc.stderr
+    running = s.enqueue("sleep 30")
+    worker = s.popen("work", stderr=open(os.devnull, "w"))
+    try:
+        wait_for(lambda: s.ids("cur") == [running], what="the job to start")
+        proc = s.run("cancel", running, check=False)
+        assert proc.returncode == 1 and "running" in proc.stderr
+        assert s.where(running) == ["cur"]
+    finally:
+        worker.kill()
+        worker.wait()
+
+
+def test_fifo_order(fast_spool, tmp_path):
+    s = fast_spool
+    log = tmp_path / "order.log"
+    ids = s.run("enqueue", "--jsonl", "-",
+                input="".join(json.dumps({"command": f"echo $SPOOLQ_JOB_ID >> {log}"}) + "\n" for _ in range(30))).stdout.split()
+    ids += [s.enqueue(f"echo $SPOOLQ_JOB_ID >> {log}") for _ in range(5)]
+    s.work()
+    assert log.read_text().split() == ids
+
+
+def test_due_order_beats_name_order(fast_spool, tmp_path):
+    s = fast_spool
+    log = tmp_path / "order.log"
+    a = s.enqueue("--id", "a", f"echo a >> {log}")
+    b = s.enqueue("--id", "b", f"echo b >> {log}")
+    now = time.time()
+    os.utime(s.path / "new" / "a.json", (now - 10, now - 10))
+    os.utime(s.path / "new" / "b.json", (now - 20, now - 20))
+    s.work()
+    assert log.read_text().split() == [b, a]
+
+
+def test_jobs_run_concurrently_with_j(fast_spool, tmp_path):
+    s = fast_spool
+    # Each job waits until all three have started: only -j 3 can finish them.
+    d = tmp_path / "barrier"
+    d.mkdir()
+    cmd = f"touch {d}/$SPOOLQ_JOB_ID; n=0; while [ $(ls {d} | wc -l) -lt 3 ] && [ $n -lt 200 ]; do sleep 0.05; n=$((n+1)); done; [ $n -lt 200 ]"
+    ids = [s.enqueue("--max-attempts", "1", cmd) for _ in range(3)]
+    s.work("-j", "3", timeout=60)
+    assert all(s.where(i) == ["done"] for i in ids)
+
+
+def test_max_jobs_and_max_time(fast_spool):
+    s = fast_spool
+    for _ in range(5):
+        s.enqueue("true")
+    s.work("--max-jobs", "2")
+    assert len(s.ids("done")) == 2 and len(s.ids("new")) == 3
+    for _ in range(5):
+        s.enqueue("sleep 0.3")
+    started = time.monotonic()
+    s.work("--max-time", "1")
+    took = time.monotonic() - started
+    # It stops claiming after 1 s and lets the running job finish.
+    assert 1 <= len(s.ids("done")) - 2 < 8 and took < 10
+    assert s.ids("cur") == []
+
+
+def test_work_exits_when_nothing_is_due(fast_spool):
+    s = fast_spool
+    s.enqueue("--in", "1h", "true")
+    started = time.monotonic()
+    proc = s.work()
+    assert proc.returncode == 0 and time.monotonic() - started < 10
+    assert len(s.ids("new")) == 1
+
+
+def test_outcome_log_lines(fast_spool):
+    s = fast_spool
+    ok = s.enqueue("true")
+    bad = s.enqueue("--max-attempts", "1", "exit 3")
+    err = s.work().stderr
+    lines = err.splitlines()
+    assert any(f"job={ok} outcome=succeeded attempt=1/5" in line and "exit=0" in line for line in lines)
+    assert any(f"job={bad} outcome=dead attempt=1/1" in line and "exit=3" in line for line in lines)
+    s.enqueue("true")
+    assert s.work("--quiet").stderr == ""
