@@ -410,6 +410,34 @@ def config_set(ctx, key, value):
     click.echo(f"{key} = {json.dumps(stored)}")
 
 
+@cli.command()
+@click.option("--jobs", "n", type=click.IntRange(min=1000), default=20000, show_default=True, help="Jobs per figure.")
+@click.option("--fsync/--no-fsync", default=None, help="Measure with fsync on or off (default: the spool's setting).")
+@click.option("--section", "sections", multiple=True, type=click.Choice(["enqueue", "drain", "true", "scale"]),
+              help="Only these sections (repeatable).")
+@click.option("--true-jobs", type=click.IntRange(min=10), help="Jobs for the `true` command drains (default min(jobs, 2000)).")
+@click.option("--scale", "scale_sizes", metavar="N,N,...", default="1000,100000", show_default=True,
+              help="Queue sizes for the per-job cost comparison.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.option("--keep", is_flag=True, help="Keep the scratch spools (for inspection).")
+@click.pass_context
+def bench(ctx, n, fsync, sections, true_jobs, scale_sizes, as_json, keep):
+    """Measure this machine and filesystem: enqueue and drain rates next to
+    bare-loop baselines. Runs in a scratch folder inside the spool, removed after."""
+    from . import bench as benchmod
+
+    spool = _spool(ctx)
+    if fsync is None:
+        fsync = bool(spool.settings["fsync"]) if spool.dir.exists() else True
+    try:
+        sizes = tuple(int(x) for x in scale_sizes.split(","))
+    except ValueError:
+        fail(f"--scale takes sizes like 1000,100000, not {scale_sizes!r}", 2)
+    result = benchmod.run(spool.path, n, fsync, sections=tuple(sections) or benchmod.SECTIONS,
+                          true_jobs=true_jobs, scale_sizes=sizes, keep=keep, progress=not as_json)
+    click.echo(benchmod.report(result, as_json))
+
+
 def main() -> None:
     cli(prog_name="spoolq")
 

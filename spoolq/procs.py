@@ -67,10 +67,22 @@ def _has_env(pid: int, needle: bytes) -> bool:
     return needle in env.split(b"\0")
 
 
-def find_run_processes(worker_id: str, pgid: int | None, leader_start: int | None) -> list[tuple[int, int]]:
-    """Live (pid, start time) of a dead worker's job processes: members of
-    the run's process group started no earlier than its leader, and any
-    process carrying ``SPOOLQ_WORKER=<worker_id>`` in its environment."""
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def boot_ticks() -> int:
+    """Now, in the clock ticks since boot that /proc/PID/stat uses for start times."""
+    return int(time.clock_gettime_ns(time.CLOCK_BOOTTIME) * _TICK // 1_000_000_000)
+
+
+def find_run_processes(worker_id: str, pgid: int | None, spawn_window: tuple[int, int] | None) -> list[tuple[int, int]]:
+    """Live (pid, start time) of a dead worker's job processes.
+
+    A run's process group counts when its id is still the run's: either its
+    leader is alive and started inside ``spawn_window`` (the ticks read just
+    before and after the spawn), or its leader is gone but members remain
+    (members pin the group id, so it cannot have been reused). Any process
+    carrying ``SPOOLQ_WORKER=<worker_id>`` in its environment counts too."""
     me = os.getpid()
     needle = f"SPOOLQ_WORKER={worker_id}".encode()
     found = []
@@ -78,17 +90,21 @@ def find_run_processes(worker_id: str, pgid: int | None, leader_start: int | Non
         pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
     except OSError:
         return []
+    table = {}
     for pid in pids:
-        if pid == me:
-            continue
-        desc = _describe(pid)
-        if desc is None:
-            continue
-        state, proc_pgid, started = desc
-        if state in ("Z", "X"):
-            continue
-        in_group = pgid is not None and leader_start is not None and proc_pgid == pgid and started >= leader_start
-        if in_group or _has_env(pid, needle):
+        if pid != me:
+            desc = _describe(pid)
+            if desc is not None and desc[0] not in ("Z", "X"):
+                table[pid] = desc
+    group_is_ours = False
+    if pgid is not None and spawn_window is not None:
+        leader = table.get(pgid)
+        if leader is None:
+            group_is_ours = True
+        else:
+            group_is_ours = leader[1] == pgid and spawn_window[0] <= leader[2] <= spawn_window[1]
+    for pid, (state, proc_pgid, started) in table.items():
+        if (group_is_ours and proc_pgid == pgid and started >= spawn_window[0]) or _has_env(pid, needle):
             found.append((pid, started))
     return found
 
@@ -117,7 +133,7 @@ def kill_verified(pid: int, started: int, sig: int = signal.SIGKILL) -> bool:
             os.close(pidfd)
 
 
-def kill_run(worker_id: str, worker_boot: str, pgid: int | None, leader_start: int | None) -> int:
+def kill_run(worker_id: str, worker_boot: str, pgid: int | None, spawn_window: tuple[int, int] | None) -> int:
     """Kill every process left from a dead worker's run; return how many.
 
     Nothing is killed when the worker ran in an earlier boot (its processes
@@ -126,7 +142,7 @@ def kill_run(worker_id: str, worker_boot: str, pgid: int | None, leader_start: i
         return 0
     killed = 0
     for _ in range(50):  # a process may fork while we kill; repeat until none is left
-        found = find_run_processes(worker_id, pgid, leader_start)
+        found = find_run_processes(worker_id, pgid, spawn_window)
         if not found:
             break
         for pid, started in found:

@@ -81,13 +81,15 @@ class Registration:
             self.jobs[job_id] = {"attempt": attempt, "started_at": rfc3339()}
             self._dirty = True
 
-    def job_spawned(self, job_id: str, pid: int, proc_start: int | None) -> None:
-        """Record the process group of a run now, so recovery can kill what it leaves."""
+    def job_spawned(self, job_id: str, pid: int, spawn_window: tuple[int, int]) -> None:
+        """Record the process group of a run now, so recovery can kill what it
+        leaves. ``spawn_window``: boot ticks just before and after the spawn,
+        which the leader's start time must fall in (pid reuse check)."""
         with self._lock:
             entry = self.jobs.get(job_id)
             if entry is not None:
                 entry["pgid"] = pid
-                entry["proc_start"] = proc_start
+                entry["spawned"] = list(spawn_window)
                 self._save()
 
     def job_ended(self, job_id: str) -> None:
@@ -176,8 +178,10 @@ class DeadRegistration:
             if not isinstance(entry, dict):
                 continue
             pgid = entry.get("pgid") if isinstance(entry.get("pgid"), int) else None
-            start = entry.get("proc_start") if isinstance(entry.get("proc_start"), int) else None
-            killed += procs.kill_run(worker_id, boot, pgid, start)
+            window = entry.get("spawned")
+            if not (isinstance(window, list) and len(window) == 2 and all(isinstance(t, int) for t in window)):
+                window = None
+            killed += procs.kill_run(worker_id, boot, pgid, tuple(window) if window else None)
         if worker_id:
             # The worker may have died between starting a process and
             # recording it: find those by the SPOOLQ_WORKER they inherited.

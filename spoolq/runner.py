@@ -172,7 +172,7 @@ def run_process(
     env: dict[str, str],
     limits: Limits,
     handle: RunHandle,
-    on_spawn: Callable[[int, int | None], None],
+    on_spawn: Callable[[int, tuple[int, int]], None],
 ) -> Outcome:
     """Run a command or argv job to its end and report what happened."""
     out = Outcome(start=time.time())
@@ -188,6 +188,7 @@ def run_process(
             stdin_fd = _memfd("spoolq-payload")
             os.write(stdin_fd, json.dumps(job["payload"], ensure_ascii=False).encode())
             os.lseek(stdin_fd, 0, os.SEEK_SET)
+        before = procs.boot_ticks()
         try:
             proc = subprocess.Popen(
                 argv,
@@ -210,7 +211,7 @@ def run_process(
             return out
         handle.pid = proc.pid
         try:
-            on_spawn(proc.pid, procs.start_time(proc.pid))
+            on_spawn(proc.pid, (before, procs.boot_ticks()))
         except Exception:
             pass  # the registration is a safety net; the run goes on without it
         if handle.interrupted:  # a kill arrived before the pid was known
@@ -304,12 +305,13 @@ def fork_handler(
     job: dict,
     limits: Limits,
     handle: RunHandle,
-    on_spawn: Callable[[int, int | None], None],
+    on_spawn: Callable[[int, tuple[int, int]], None],
 ) -> Outcome:
     """Run a handler job in a forked child, killed if it runs over its timeout."""
     out = Outcome(start=time.time())
     result_fd = _memfd("spoolq-result")
     parent = os.getpid()
+    before = procs.boot_ticks()
     try:
         pid = os.fork()
         if pid == 0:  # the child: run, write the outcome, leave without cleanup
@@ -335,7 +337,7 @@ def fork_handler(
         except OSError:
             pass
         try:
-            on_spawn(pid, procs.start_time(pid))
+            on_spawn(pid, (before, procs.boot_ticks()))
         except Exception:
             pass
         if handle.interrupted:

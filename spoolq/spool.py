@@ -368,8 +368,12 @@ class Spool:
         from . import transitions
 
         self._open(create=True)
-        report = transitions.recover(self.context())
+        try:
+            report = transitions.recover(self.context())
+        finally:
+            self.dir.drop_spares()
         report.tmp_removed = self.dir.remove_tmp()
+        self.dir.remove_stale_spares()
         return report
 
     # -- running -----------------------------------------------------------

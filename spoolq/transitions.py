@@ -224,7 +224,9 @@ def claim(ctx: Context, entry: Entry, now_ns: int, on_quarantine: Callable[[str,
             job["state"] = "new"
             held.rewrite(record.dumps(job))
         try:
-            held.move("cur", file_name(job_id), keep_name=True)
+            # Not synced now: a claim lost to a power cut only means the job
+            # runs again. The folders are synced with the next group commit.
+            held.move("cur", file_name(job_id), keep_name=True, defer_sync=True)
         except Exists:
             reason = f"duplicate id: a job {job_id} is running"
             new_name = duplicate_name(file_name(job_id))
@@ -293,9 +295,12 @@ def decide(ctx: Context, job: dict, out: Outcome, attempt: int) -> str:
     return "dead" if attempt >= max_attempts else "failed"
 
 
-def finish(ctx: Context, claimed: Claimed, out: Outcome, worker_id: str, due_now: bool = False) -> tuple[str, float | None]:
+def finish(ctx: Context, claimed: Claimed, out: Outcome, worker_id: str, due_now: bool = False,
+           defer_sync: bool = False) -> tuple[str, float | None]:
     """Record a run's outcome and move the job on: done/, failed/ (due after
-    the backoff) or dead/. Returns (state, due time for failed/)."""
+    the backoff) or dead/. Returns (state, due time for failed/). With
+    ``defer_sync`` the folders are fsynced later by the caller (group commit;
+    the record itself is always synced before it replaces the old one)."""
     job = claimed.job
     attempt = claimed.attempt
     now = time.time()
@@ -340,15 +345,15 @@ def finish(ctx: Context, claimed: Claimed, out: Outcome, worker_id: str, due_now
             due = now + delay
     job["state"] = dest
     job["finished_at" if dest != "failed" else "failed_at"] = end
-    _write_and_move(claimed.held, job, dest, due)
+    _write_and_move(claimed.held, job, dest, due, defer_sync)
     return dest, due
 
 
-def _write_and_move(held: Held, job: dict, dest: str, due: float | None) -> None:
+def _write_and_move(held: Held, job: dict, dest: str, due: float | None, defer_sync: bool = False) -> None:
     held.rewrite(record.dumps(job))
     if due is not None:
         held.set_mtime(int(due * 1e9))
-    held.move(dest)
+    held.move(dest, defer_sync=defer_sync)
     held.release()
 
 

@@ -34,6 +34,8 @@ from .registry import Registration
 from .runner import Limits, Outcome, RunHandle, call_handler, fork_handler, run_process
 
 SCAN_LIMIT = 100_000  # due entries kept per pass: bounds memory with a million files waiting
+COMMIT_JOBS = 64  # group commit: at most this many finished jobs share one folder fsync ...
+COMMIT_SECONDS = 0.05  # ... and none waits longer than this for it
 
 
 class ForcedStop(BaseException):
@@ -136,6 +138,12 @@ class Worker:
         self._running: dict[int, RunHandle] = {}  # thread id -> the run it is doing
         self._slot_free = threading.Semaphore(jobs)
         self._handoff: queue.Queue = queue.Queue()
+        # Group commit (fsync on, -j 1): outcomes whose folder fsyncs are
+        # deferred, logged only once synced. At most COMMIT_JOBS jobs or
+        # COMMIT_SECONDS wait for a sync.
+        self._group_commit = jobs == 1
+        self._uncommitted: list[tuple] = []
+        self._first_uncommitted = 0.0
         self._base_env = dict(os.environ)
         self._base_env["SPOOLQ_SPOOL"] = spool.path
 
@@ -244,6 +252,7 @@ class Worker:
                 self.waker.stop()
             for sig, old in old_handlers.items():
                 signal.signal(sig, old)
+            sp.dir.drop_spares()
             self.registration.close()
         return self.ran
 
@@ -251,6 +260,7 @@ class Worker:
         try:
             report = transitions.recover(self.ctx)
             removed = self.spool.dir.remove_tmp()
+            self.spool.dir.remove_stale_spares()
         except (OSError, SpoolError) as e:
             self.log.line(f"worker={self._wid} recovery failed: {e}", 0)
             return
@@ -284,6 +294,7 @@ class Worker:
             if pos >= len(entries):
                 if not first and claimed_this_pass == 0 and self._finished_since_scan == 0:
                     # Nothing changed since the last look.
+                    self._commit()
                     if not self.watch and self._active == 0:
                         break
                     self.registration.flush()
@@ -302,6 +313,10 @@ class Worker:
                 continue
             entry = entries[pos]
             pos += 1
+            if self._uncommitted and (
+                len(self._uncommitted) >= COMMIT_JOBS or time.monotonic() - self._first_uncommitted >= COMMIT_SECONDS
+            ):
+                self._commit()
             if self.jobs > 1 and not self._acquire_slot():
                 break
             try:
@@ -321,6 +336,7 @@ class Worker:
                 self._execute(claimed)
             else:
                 self._handoff.put(claimed)
+        self._commit()
         # Let the running jobs end (killed ones too, after a second signal).
         if self.jobs > 1:
             for _ in range(self.jobs):
@@ -392,8 +408,8 @@ class Worker:
         with self._lock:
             self._running[thread_id] = handle
 
-        def spawned(pid: int, start: int | None) -> None:
-            reg.job_spawned(job_id, pid, start)
+        def spawned(pid: int, window: tuple[int, int]) -> None:
+            reg.job_spawned(job_id, pid, window)
 
         out: Outcome
         try:
@@ -414,8 +430,9 @@ class Worker:
         finally:
             with self._lock:
                 self._running.pop(thread_id, None)
+        defer = self._group_commit and self.spool.dir.fsync
         try:
-            dest, due = transitions.finish(self.ctx, claimed, out, reg.worker_id)
+            dest, due = transitions.finish(self.ctx, claimed, out, reg.worker_id, defer_sync=defer)
         except (OSError, SpoolError) as e:
             claimed.held.release()
             self.failed_to_record = True
@@ -432,7 +449,29 @@ class Worker:
             except OSError:
                 pass
         self.ran += 1
-        self._log_outcome(job, out, attempt, dest, due)
+        if defer:
+            if not self._uncommitted:
+                self._first_uncommitted = time.monotonic()
+            self._uncommitted.append((job, out, attempt, dest, due))
+        else:
+            self._log_outcome(job, out, attempt, dest, due)
+
+    def _commit(self) -> None:
+        """fsync the folders of the deferred finishes, then log them: an
+        outcome is durable before anyone is told about it."""
+        if not self._uncommitted and not self.spool.dir.has_deferred:
+            return
+        try:
+            self.spool.dir.sync_deferred()
+        except OSError as e:
+            self.failed_to_record = True
+            self._stopping = True
+            self.log.line(f"worker={self._wid} error={_quote(f'cannot sync finished jobs: {e}')} the worker stops claiming", 0)
+            self._uncommitted = []
+            return
+        pending, self._uncommitted = self._uncommitted, []
+        for item in pending:
+            self._log_outcome(*item)
 
     def _env(self, job: dict, attempt: int) -> dict[str, str]:
         env = dict(self._base_env)

@@ -1,0 +1,273 @@
+"""``spoolq bench``: measure this machine and filesystem.
+
+Every figure is taken in a scratch spool on the same filesystem as the spool
+given (a dot-folder inside it, removed afterwards), next to a bare-loop
+baseline doing the same system calls with nothing else, so each rate reads
+as a fraction of what this machine can do at all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .spool import Spool
+
+SPOOLQ_CMD = [sys.executable, "-m", "spoolq"]
+
+
+@dataclass
+class Figure:
+    name: str
+    jobs: int
+    seconds: float
+    baseline: str | None = None  # the name of the figure this one is a ratio to
+    note: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def rate(self) -> float:
+        return self.jobs / self.seconds if self.seconds > 0 else float("inf")
+
+    @property
+    def us_per_job(self) -> float:
+        return self.seconds / self.jobs * 1e6 if self.jobs else 0.0
+
+
+class Bench:
+    """A run of measurements in one scratch directory."""
+
+    def __init__(self, root: str, jobs: int, fsync: bool, progress: bool = True):
+        self.root = root
+        self.jobs = jobs
+        self.fsync = fsync
+        self.progress = progress
+        self.figures: dict[str, Figure] = {}
+        self._n = 0
+
+    # -- helpers -----------------------------------------------------------
+
+    def fresh_spool(self, tag: str) -> Spool:
+        self._n += 1
+        path = os.path.join(self.root, f"{self._n:02d}-{tag}")
+        spool = Spool(path)
+        spool.init()
+        spool.config_set("fsync", self.fsync)
+        spool.config_set("compact_after", 0)
+        return Spool(path)
+
+    def add(self, fig: Figure) -> Figure:
+        self.figures[fig.name] = fig
+        self.say(f"{fig.name}: {fig.rate:,.0f} jobs/s ({fig.us_per_job:,.1f} us/job){'  ' + fig.note if fig.note else ''}")
+        return fig
+
+    def say(self, text: str) -> None:
+        if self.progress:
+            print(f"  {text}", file=sys.stderr, flush=True)
+
+    def loop(self, label: str, n: int, body: Callable[[int], None]) -> float:
+        """Time ``body(i)`` for i in range(n), with a progress bar for long runs."""
+        if self.progress and n >= 20000:
+            import click
+
+            start = time.perf_counter()
+            with click.progressbar(range(n), label=f"  {label}", file=sys.stderr, width=30) as bar:
+                for i in bar:
+                    body(i)
+            return time.perf_counter() - start
+        start = time.perf_counter()
+        for i in range(n):
+            body(i)
+        return time.perf_counter() - start
+
+    # -- baselines ---------------------------------------------------------
+
+    def bare_enqueue(self, n: int) -> Figure:
+        """tmp write (+ fsync) + rename (+ folder fsync): the floor of an enqueue."""
+        base = os.path.join(self.root, "bare-enqueue")
+        os.makedirs(os.path.join(base, "tmp"))
+        os.makedirs(os.path.join(base, "new"))
+        new_fd = os.open(os.path.join(base, "new"), os.O_RDONLY | os.O_DIRECTORY)
+        data = b'{"command": "true", "id": "x", "state": "new", "attempts": 0, "created_at": "2026-01-01T00:00:00.000000Z"}\n'
+        fsync = self.fsync
+
+        def body(i: int) -> None:
+            tmp = os.path.join(base, "tmp", f"{i}")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            os.write(fd, data)
+            if fsync:
+                os.fsync(fd)
+            os.close(fd)
+            os.rename(tmp, os.path.join(base, "new", f"{i}.json"))
+            if fsync:
+                os.fsync(new_fd)
+
+        seconds = self.loop("bare enqueue", n, body)
+        os.close(new_fd)
+        return self.add(Figure("bare_enqueue", n, seconds, note="tmp write + rename" + (" + fsyncs" if fsync else "")))
+
+    def bare_claim(self, n: int) -> Figure:
+        """rename new -> cur + unlink: the floor of taking a job."""
+        base = os.path.join(self.root, "bare-claim")
+        os.makedirs(os.path.join(base, "new"))
+        os.makedirs(os.path.join(base, "cur"))
+        for i in range(n):
+            with open(os.path.join(base, "new", f"{i}.json"), "wb") as f:
+                f.write(b"{}")
+
+        def body(i: int) -> None:
+            os.rename(os.path.join(base, "new", f"{i}.json"), os.path.join(base, "cur", f"{i}.json"))
+            os.unlink(os.path.join(base, "cur", f"{i}.json"))
+
+        return self.add(Figure("bare_claim", n, self.loop("bare claim", n, body), note="rename + unlink"))
+
+    def bare_true(self, n: int) -> Figure:
+        seconds = self.loop("bare true", n, lambda i: subprocess.run(["true"]))
+        return self.add(Figure("bare_true", n, seconds, note='subprocess.run(["true"])'))
+
+    # -- spoolq ------------------------------------------------------------
+
+    def enqueue_inprocess(self, n: int) -> Figure:
+        spool = self.fresh_spool("enqueue")
+        seconds = self.loop("enqueue", n, lambda i: spool.enqueue(command="true"))
+        return self.add(Figure("enqueue", n, seconds, baseline="bare_enqueue", note="Spool.enqueue, one job at a time"))
+
+    def enqueue_many(self, n: int, batch: int = 1000) -> Figure:
+        spool = self.fresh_spool("enqueue-many")
+        job = {"command": "true"}
+
+        def body(i: int) -> None:
+            spool.enqueue_many([job] * batch)
+
+        seconds = self.loop("enqueue_many", n // batch, body)
+        return self.add(Figure("enqueue_many", (n // batch) * batch, seconds, baseline="bare_enqueue",
+                               note=f"Spool.enqueue_many, {batch} per call (one sync per call)"))
+
+    def enqueue_jsonl(self, n: int) -> Figure:
+        spool = self.fresh_spool("jsonl")
+        lines = ('{"command": "true"}\n' * n).encode()
+        start = time.perf_counter()
+        proc = subprocess.run(SPOOLQ_CMD + ["-s", spool.path, "enqueue", "--jsonl", "-"], input=lines,
+                              capture_output=True, check=True)
+        seconds = time.perf_counter() - start
+        assert proc.stdout.count(b"\n") == n
+        return self.add(Figure("enqueue_jsonl", n, seconds, baseline="bare_enqueue", note="spoolq enqueue --jsonl - (whole command)"))
+
+    def drain_handlers(self, n: int, name: str = "drain_handlers") -> Figure:
+        spool = self.fresh_spool("drain")
+        for start in range(0, n, 10000):
+            spool.enqueue_many([{"kind": "noop"}] * min(10000, n - start))
+        start = time.perf_counter()
+        ran = spool.work(handlers={"noop": _noop}, signals=False)
+        seconds = time.perf_counter() - start
+        assert ran == n, (ran, n)
+        note = "no-op handlers, in-process, -j 1"
+        return self.add(Figure(name, n, seconds, baseline="bare_claim", note=note))
+
+    def drain_true(self, n: int, jobs: int) -> Figure:
+        spool = self.fresh_spool(f"true-j{jobs}")
+        spool.enqueue_many([{"argv": ["true"]}] * n)
+        start = time.perf_counter()
+        subprocess.run(SPOOLQ_CMD + ["-s", spool.path, "work", "-q", "-j", str(jobs)], check=True)
+        seconds = time.perf_counter() - start
+        done = spool.status()["done"]
+        assert done == n, (done, n)
+        return self.add(Figure(f"drain_true_j{jobs}", n, seconds, baseline="bare_true",
+                               note=f"spoolq work -j {jobs} on argv [\"true\"] jobs (whole command)"))
+
+    # -- report ------------------------------------------------------------
+
+    def table(self) -> str:
+        rows = [("figure", "jobs", "jobs/s", "us/job", "vs baseline", "what")]
+        for fig in self.figures.values():
+            ratio = ""
+            base = self.figures.get(fig.baseline) if fig.baseline else None
+            if base is not None:
+                ratio = f"{fig.rate / base.rate:.2f}x {base.name}"
+            rows.append((fig.name, f"{fig.jobs:,}", f"{fig.rate:,.0f}", f"{fig.us_per_job:,.1f}", ratio, fig.note))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = []
+        for j, r in enumerate(rows):
+            lines.append("  ".join(c.ljust(widths[i]) if i in (0, 4, 5) else c.rjust(widths[i]) for i, c in enumerate(r)).rstrip())
+            if j == 0:
+                lines.append("  ".join("-" * w for w in widths))
+        return "\n".join(lines)
+
+    def as_json(self) -> dict[str, Any]:
+        out = {}
+        for fig in self.figures.values():
+            entry = {"jobs": fig.jobs, "seconds": round(fig.seconds, 6), "jobs_per_s": round(fig.rate, 1),
+                     "us_per_job": round(fig.us_per_job, 2), "note": fig.note}
+            if fig.baseline and fig.baseline in self.figures:
+                entry["baseline"] = fig.baseline
+                entry["ratio"] = round(fig.rate / self.figures[fig.baseline].rate, 3)
+            entry.update(fig.extra)
+            out[fig.name] = entry
+        return out
+
+
+def _noop(payload: Any) -> None:
+    return None
+
+
+SECTIONS = ("enqueue", "drain", "true", "scale")
+
+
+def _short(n: int) -> str:
+    return f"{n // 1000000}M" if n >= 1000000 and n % 1000000 == 0 else f"{n // 1000}k" if n % 1000 == 0 else str(n)
+
+
+def run(spool_path: str, jobs: int, fsync: bool, sections: tuple[str, ...] = SECTIONS, true_jobs: int | None = None,
+        scale_sizes: tuple[int, ...] = (1000, 100000), keep: bool = False, progress: bool = True) -> Bench:
+    """Run the chosen sections in a scratch folder inside ``spool_path``."""
+    os.makedirs(spool_path, exist_ok=True)
+    root = os.path.join(spool_path, f".bench-{os.getpid()}")
+    os.makedirs(root)
+    bench = Bench(root, jobs, fsync, progress)
+    try:
+        bench.say(f"scratch spool {root}, fsync {'on' if fsync else 'off'}, {jobs:,} jobs")
+        if "enqueue" in sections:
+            bench.bare_enqueue(jobs)
+            bench.enqueue_inprocess(jobs)
+            bench.enqueue_many(jobs)
+            bench.enqueue_jsonl(jobs)
+        if "drain" in sections:
+            bench.bare_claim(jobs)
+            bench.drain_handlers(jobs)
+        if "true" in sections:
+            m = true_jobs or min(jobs, 2000)
+            bench.bare_true(m)
+            bench.drain_true(m, 1)
+            bench.drain_true(m, 2)
+        if "scale" in sections:
+            # Draining 1,000 waiting jobs and draining 100 times as many: a flat
+            # cost per job means no operation lists a folder once per job.
+            for size in scale_sizes:
+                bench.drain_handlers(size, name=f"drain_{_short(size)}")
+            first = bench.figures[f"drain_{_short(scale_sizes[0])}"]
+            for size in scale_sizes[1:]:
+                fig = bench.figures[f"drain_{_short(size)}"]
+                fig.extra["cost_ratio"] = round(fig.us_per_job / first.us_per_job, 3)
+                bench.say(f"per-job drain cost at {size:,} waiting / at {scale_sizes[0]:,}: {fig.us_per_job / first.us_per_job:.2f}")
+    finally:
+        if not keep:
+            shutil.rmtree(root, ignore_errors=True)
+    return bench
+
+
+def machine() -> dict[str, Any]:
+    """What the figures were measured on."""
+    info: dict[str, Any] = {"python": sys.version.split()[0], "cpus": os.cpu_count(), "kernel": os.uname().release}
+    return info
+
+
+def report(bench: Bench, as_json: bool) -> str:
+    if as_json:
+        return json.dumps({"machine": machine(), "fsync": bench.fsync, "figures": bench.as_json()}, indent=2)
+    return bench.table()
