@@ -308,6 +308,8 @@ class SpoolDir:
                         else:
                             raise SpoolError(f"{self.root} is not a spool (no {folder}/); run 'spoolq init'") from None
                     except NotADirectoryError:
+                        if os.path.islink(path):
+                            raise SpoolError(f"{path} is a symlink; spool folders must be real directories") from None
                         raise SpoolError(f"{path} is not a directory") from None
                     except OSError as e:
                         if e.errno == errno.ELOOP:

@@ -1,0 +1,214 @@
+"""Worker death and recovery: kill -9 at any moment loses no job, leaves no
+process of a job behind after a sweep, and counts the interrupted run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+from conftest import wait_for
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def _processes_with_env(needle: str) -> list[int]:
+    found = []
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                with open(f"/proc/{p}/environ", "rb") as f:
+                    if needle.encode() in f.read().split(b"\0") and _alive(int(p)):
+                        found.append(int(p))
+            except OSError:
+                pass
+    return found
+
+
+def test_kill_9_mid_job_then_sweep_kills_its_processes_and_counts_the_run(fast_spool, tmp_path):
+    s = fast_spool
+    pids = tmp_path / "pids"
+    # The job backgrounds a child that leaves the job's session entirely (setsid)
+    # and one that stays in its group; both must be gone after the sweep.
+    job_id = s.enqueue("--max-attempts", "3",
+                       f"sleep 300 & echo $! >> {pids}; setsid sleep 301 & echo $! >> {pids}; "
+                       f"echo $$ >> {pids}; sleep 302")
+    worker = s.popen("work", stderr=subprocess.DEVNULL)
+    wait_for(lambda: pids.exists() and len(pids.read_text().split()) == 3, what="the job to start its children")
+    job_pids = [int(p) for p in pids.read_text().split()]
+    assert s.ids("cur") == [job_id]
+    worker.send_signal(signal.SIGKILL)
+    worker.wait()
+    assert all(_alive(p) for p in job_pids)  # orphans, until recovery
+    out = s.run("sweep").stdout
+    assert "recovered 1 to failed/" in out
+    for pid in job_pids:
+        wait_for(lambda: not _alive(pid), timeout=10, what=f"process {pid} of the dead run to be killed")
+    assert s.where(job_id) == ["failed"]
+    job = s.record("failed", job_id)
+    assert job["attempts"] == 1
+    assert job["history"][-1]["error"] == "interrupted: the worker running it died"
+    assert abs(os.stat(s.path / "failed" / f"{job_id}.json").st_mtime - time.time()) < 30  # due now
+    assert s.names("workers") == []  # the dead worker's registration is cleared
+
+
+def test_recovery_never_kills_a_reused_pid(fast_spool, tmp_path):
+    """A registration naming a process group whose leader is some other,
+    later process (a reused pid) must not get that process killed."""
+    s = fast_spool
+    bystander = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    try:
+        job_id = s.enqueue("true")
+        os.rename(s.path / "new" / f"{job_id}.json", s.path / "cur" / f"{job_id}.json")
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        registration = {
+            "worker": "ghost.1.abcdef", "host": "ghost", "pid": 1, "boot_id": boot,
+            "jobs": {job_id: {"attempt": 1, "pgid": bystander.pid, "spawned": [1, 2]}},
+        }
+        (s.path / "workers" / "ghost.1.abcdef.json").write_text(json.dumps(registration))
+        s.run("sweep")
+        assert s.where(job_id) == ["failed"]
+        assert bystander.poll() is None and _alive(bystander.pid)
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
+def test_a_job_that_kills_its_worker_ends_in_dead(fast_spool, tmp_path):
+    s = fast_spool
+    runs = tmp_path / "runs"
+    job_id = s.enqueue("--max-attempts", "3", f"echo run >> {runs}; kill -9 $PPID; sleep 1")
+    for _ in range(10):
+        s.run("work", check=False)
+        if s.where(job_id) == ["dead"]:
+            break
+    assert s.where(job_id) == ["dead"]
+    job = s.record("dead", job_id)
+    assert job["attempts"] == 3
+    assert len(runs.read_text().split()) == 3  # it ran exactly max_attempts times
+    assert all(h["error"] == "interrupted: the worker running it died" for h in job["history"])
+
+
+def test_an_in_process_handler_that_kills_its_worker_ends_in_dead(fast_spool, tmp_path):
+    s = fast_spool
+    app = tmp_path / "suicide_app.py"
+    app.write_text("import os, signal\nHANDLERS = {'die': lambda p: os.kill(os.getpid(), signal.SIGKILL)}\n")
+    job_id = s.enqueue("--kind", "die", "--max-attempts", "2")
+    for _ in range(6):
+        s.run("work", "--app", "suicide_app:HANDLERS", cwd=str(tmp_path), check=False)
+        if s.where(job_id) == ["dead"]:
+            break
+    assert s.where(job_id) == ["dead"] and s.record("dead", job_id)["attempts"] == 2
+
+
+def test_sigterm_lets_the_running_job_finish(fast_spool, tmp_path):
+    s = fast_spool
+    started = tmp_path / "started"
+    first = s.enqueue(f"touch {started}; sleep 1; echo finished")
+    second = s.enqueue("true")
+    worker = s.popen("work", stderr=subprocess.PIPE, text=True)
+    wait_for(started.exists, what="the job to start")
+    worker.send_signal(signal.SIGTERM)
+    _, err = worker.communicate(timeout=60)
+    assert worker.returncode == 0
+    assert s.show(first)["state"] == "done" and s.show(first)["stdout"] == "finished\n"
+    assert s.where(second) == ["new"]  # no claims after the signal
+    assert "stopping" in err
+
+
+def _await_line(proc: subprocess.Popen, text: str) -> None:
+    """Read the worker's stderr until a line containing ``text`` arrives."""
+    for line in proc.stderr:
+        if text in line:
+            return
+    raise AssertionError(f"the worker ended without logging {text!r}")
+
+
+def test_a_second_signal_kills_the_job_and_keeps_it(fast_spool, tmp_path):
+    s = fast_spool
+    started = tmp_path / "started"
+    job_id = s.enqueue(f"touch {started}; exec sleep 300")
+    worker = s.popen("work", stderr=subprocess.PIPE, text=True)
+    wait_for(started.exists, what="the job to start")
+    worker.send_signal(signal.SIGINT)
+    _await_line(worker, "stopping: no more claims")  # the first signal was handled
+    worker.send_signal(signal.SIGTERM)
+    worker.communicate(timeout=60)
+    assert worker.returncode == 0
+    assert s.where(job_id) == ["failed"]
+    job = s.record("failed", job_id)
+    assert job["attempts"] == 1 and job["error"] == "killed: the worker was told to stop now"
+    assert os.stat(s.path / "failed" / f"{job_id}.json").st_mtime <= time.time()  # due now
+    s.run("work", "--max-jobs", "0")  # nothing left in cur/ for recovery either
+    assert s.ids("cur") == []
+
+
+def test_a_second_signal_stops_an_in_process_handler(fast_spool, tmp_path):
+    s = fast_spool
+    app = tmp_path / "loop_app.py"
+    marker = tmp_path / "started"
+    app.write_text(
+        "import pathlib\n"
+        f"def spin(p):\n    pathlib.Path({str(marker)!r}).touch()\n    while True:\n        pass\n"
+        "HANDLERS = {'spin': spin}\n"
+    )
+    job_id = s.enqueue("--kind", "spin")
+    worker = s.popen("work", "--app", "loop_app:HANDLERS", cwd=str(tmp_path), stderr=subprocess.PIPE, text=True)
+    wait_for(marker.exists, what="the handler to start")
+    worker.send_signal(signal.SIGTERM)
+    _await_line(worker, "stopping: no more claims")
+    worker.send_signal(signal.SIGTERM)
+    worker.communicate(timeout=60)
+    assert s.where(job_id) == ["failed"] and s.record("failed", job_id)["attempts"] == 1
+
+
+def test_a_run_that_finished_but_was_not_moved_is_completed_not_rerun(fast_spool):
+    """Recovery of a job whose outcome was recorded (attempts match the
+    registration) just finishes the move: the run is not counted twice."""
+    s = fast_spool
+    job_id = s.enqueue("true")
+    s.work()
+    record = s.record("done", job_id)
+    os.rename(s.path / "done" / f"{job_id}.json", s.path / "cur" / f"{job_id}.json")
+    registration = {"worker": "gone.2.abcdef", "pid": 2, "boot_id": "", "jobs": {job_id: {"attempt": 1}}}
+    (s.path / "workers" / "gone.2.abcdef.json").write_text(json.dumps(registration))
+    assert "completed 1" in s.run("sweep").stdout
+    assert s.where(job_id) == ["done"]
+    assert s.record("done", job_id)["attempts"] == record["attempts"] == 1
+
+
+def test_sweep_leaves_live_workers_alone(fast_spool, tmp_path):
+    s = fast_spool
+    started = tmp_path / "started"
+    job_id = s.enqueue(f"touch {started}; sleep 2")
+    worker = s.popen("work", stderr=subprocess.DEVNULL)
+    try:
+        wait_for(started.exists, what="the job to start")
+        out = s.run("sweep").stdout
+        assert "recovered 0" in out
+        assert s.where(job_id) == ["cur"]
+        assert len(s.names("workers")) == 1
+    finally:
+        worker.wait(timeout=60)
+    assert s.where(job_id) == ["done"]
+
+
+def test_stale_tmp_files_are_removed_by_sweep(fast_spool):
+    s = fast_spool
+    old = s.path / "tmp" / "abandoned"
+    old.write_text("{")
+    fresh = s.path / "tmp" / "being-written"
+    fresh.write_text("{")
+    past = time.time() - 37 * 3600
+    os.utime(old, (past, past))
+    assert "removed 1 tmp/" in s.run("sweep").stdout
+    assert not old.exists() and fresh.exists()

@@ -1,0 +1,157 @@
+"""Durability: the order of fsyncs and renames (checked with strace), and a
+full disk (a real ENOSPC on a small tmpfs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from conftest import SPOOLQ, SpoolFixture
+
+
+def _trace(spool: SpoolFixture, *args: str, input: str | None = None) -> list[str]:
+    log = spool.path.parent / "strace.log"
+    subprocess.run(
+        ["strace", "-f", "-y", "-qq", "-s", "400", "-e", "trace=openat,write,fsync,fdatasync,syncfs,rename,renameat,renameat2,link,linkat",
+         "-o", str(log)] + SPOOLQ + ["-s", str(spool.path), *args],
+        input=input, text=True, capture_output=True, check=True,
+    )
+    return [line.split(None, 1)[1] for line in log.read_text().splitlines() if line.strip()]
+
+
+def _index(calls: list[str], pattern: str) -> int:
+    for i, call in enumerate(calls):
+        if re.search(pattern, call):
+            return i
+    raise AssertionError(f"no call matches {pattern!r}")
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="strace is not installed (apt-get install strace)")
+def test_enqueue_fsyncs_the_file_before_it_enters_new_and_syncs_new_after(spool):
+    calls = _trace(spool, "enqueue", "--id", "traced", "true")
+    tmpdir = re.escape(str(spool.path / "tmp"))
+    created = _index(calls, r"openat\(\d+<" + tmpdir + r'>, "traced\.json\.[^"]+", .*O_CREAT')
+    wrote = _index(calls, r"write\(\d+<" + tmpdir + r"/traced\.json\.")
+    synced = _index(calls, r"^fsync\(\d+<" + tmpdir + r"/traced\.json\.")
+    published = _index(calls, r"renameat2\(.*traced\.json.*RENAME_NOREPLACE")
+    dir_synced = _index(calls, r"^fsync\(\d+<" + re.escape(str(spool.path / "new")) + r">")
+    assert created < wrote < synced < published < dir_synced, calls
+    assert (spool.path / "new" / "traced.json").exists()
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="strace is not installed (apt-get install strace)")
+def test_bulk_enqueue_syncs_once_before_publishing(spool):
+    lines = "".join(json.dumps({"command": "true", "id": f"bulk{i}"}) + "\n" for i in range(20))
+    calls = _trace(spool, "enqueue", "--jsonl", "-", input=lines)
+    synced = _index(calls, r"^syncfs\(")
+    first_publish = _index(calls, r"renameat2\(.*bulk\d+\.json.*RENAME_NOREPLACE")
+    dir_synced = max(i for i, c in enumerate(calls) if re.match(r"fsync\(\d+<" + re.escape(str(spool.path / "new")) + ">", c))
+    last_publish = max(i for i, c in enumerate(calls) if re.search(r"renameat2\(.*bulk\d+\.json", c))
+    assert synced < first_publish and last_publish < dir_synced
+    assert sum(1 for c in calls if c.startswith(("fsync(", "syncfs(", "fdatasync("))) <= 3  # a group commit
+    assert len(spool.ids("new")) == 20
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="strace is not installed (apt-get install strace)")
+def test_a_finished_outcome_is_synced_before_it_is_logged(spool):
+    spool.enqueue("--id", "fin", "true")
+    calls = _trace(spool, "work")
+    record_synced = _index(calls, r"^fdatasync\(\d+<" + re.escape(str(spool.path / "cur")) + r"/\.spare")
+    moved = _index(calls, r"renameat2\(\d+<" + re.escape(str(spool.path / "cur")) + r">, \"fin\.json\", \d+<" + re.escape(str(spool.path / "done")))
+    done_synced = _index(calls[moved:], r"^fsync\(\d+<" + re.escape(str(spool.path / "done")) + ">") + moved
+    logged = _index(calls, r"write\(2<.*job=fin outcome=succeeded")
+    assert record_synced < moved < done_synced < logged
+
+
+@pytest.fixture
+def tiny_fs():
+    """A 1 MiB tmpfs, mounted for this test (needs root; skipped otherwise)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mnt = Path(tempfile.mkdtemp(prefix="spoolq-enospc-"))
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(mnt)], capture_output=True)
+    if proc.returncode != 0:
+        os.rmdir(mnt)
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.decode().strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+        os.rmdir(mnt)
+
+
+def _fill(path: Path) -> None:
+    """Fill the filesystem holding ``path`` until it refuses a byte more."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        for size in (65536, 4096, 1):
+            try:
+                while True:
+                    os.write(fd, b"\0" * size)
+            except OSError:
+                pass
+    finally:
+        os.close(fd)
+
+
+def test_enqueue_on_a_full_disk_fails_cleanly(tiny_fs):
+    s = SpoolFixture(tiny_fs / "spool")
+    s.run("init")
+    kept = s.enqueue("--id", "before", "true")
+    _fill(tiny_fs / "filler")
+    proc = s.run("enqueue", "--payload", json.dumps("x" * 5000), "true", check=False)
+    assert proc.returncode == 1 and "No space left on device" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+    lines = "".join(json.dumps({"command": "true", "pad": "y" * 3000}) + "\n" for _ in range(20))
+    proc = s.run("enqueue", "--jsonl", "-", input=lines, check=False)
+    assert proc.returncode == 1 and "No space left" in proc.stderr
+    assert s.ids("new") == [kept]  # nothing partial in new/
+    assert s.names("tmp") == []  # and nothing left behind in tmp/
+    os.unlink(tiny_fs / "filler")
+    s.work()
+    assert s.where(kept) == ["done"]
+
+
+def test_a_running_worker_keeps_its_job_when_the_disk_fills(tiny_fs):
+    s = SpoolFixture(tiny_fs / "spool")
+    s.run("init")
+    filler = tiny_fs / "filler"
+    # The job fills the disk, then succeeds: recording its outcome must not lose it.
+    job_id = s.enqueue("--id", "filling",
+                       f'if [ "$SPOOLQ_ATTEMPT" = 1 ]; then head -c 2000000 /dev/zero > {filler}; fi; seq 1 3000')
+    proc = s.run("work", check=False)
+    where = s.where(job_id)
+    assert where in (["cur"], ["done"]), where  # never lost, never in two places
+    if where == ["cur"]:
+        assert proc.returncode == 1 and "cannot record the outcome" in proc.stderr
+        assert "head -c" in json.loads((s.path / "cur" / "filling.json").read_text())["command"]
+    os.unlink(filler)
+    s.work()
+    job = s.show(job_id)
+    assert job["state"] == "done" and job["outcome"] == "succeeded"
+    assert s.names("cur") == [] and not [n for n in os.listdir(s.path / "cur") if n.startswith(".spare")]
+
+
+def test_state_folders_on_different_filesystems_are_refused(tiny_fs):
+    """rename(2) cannot cross filesystems: a spool whose dead/ is another
+    mount is refused before any job moves."""
+    s = SpoolFixture(tiny_fs.parent / (tiny_fs.name + "-spool"))
+    s.run("init")
+    try:
+        job_id = s.enqueue("true")
+        subprocess.run(["mount", "--bind", str(tiny_fs), str(s.path / "dead")], check=True)
+        try:
+            proc = s.run("work", check=False)
+            assert proc.returncode == 1 and "different filesystems" in proc.stderr
+            assert s.where(job_id) == ["new"]
+        finally:
+            subprocess.run(["umount", str(s.path / "dead")], check=True)
+    finally:
+        shutil.rmtree(s.path)

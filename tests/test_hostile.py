@@ -1,0 +1,207 @@
+"""Hostile input: random bytes and near-valid JSON (property-based), files
+of untrusted users, and the permissions of private and shared spools."""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import shutil
+import stat
+import subprocess
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import STATES, SpoolFixture
+
+# -- property-based ----------------------------------------------------------
+
+json_scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70),
+                         st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=20))
+json_values = st.recursive(json_scalars, lambda inner: st.one_of(
+    st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)), max_leaves=12)
+FIELDS = ["command", "argv", "kind", "payload", "id", "max_attempts", "timeout", "run_at", "env", "cwd",
+          "attempts", "history", "state"]
+GOOD = {"command": "true", "argv": ["true"], "kind": "noop", "max_attempts": 2, "timeout": 5, "run_at": 0,
+        "env": {"A": "1"}, "attempts": 0, "history": [], "state": "new", "id": "x"}
+near_valid = st.builds(
+    lambda base, changes: {**base, **changes},
+    st.sampled_from([{"command": "true"}, {"argv": ["true"]}, {"kind": "noop"}, {}]),
+    st.dictionaries(st.sampled_from(FIELDS), st.one_of(json_values, st.sampled_from(list(GOOD.values()))), max_size=4),
+).map(lambda d: json.dumps(d).encode())
+garbage = st.one_of(
+    st.binary(max_size=300),
+    near_valid,
+    near_valid.map(lambda b: b[: len(b) // 2]),  # truncated mid-write
+    near_valid.map(lambda b: b.replace(b'"', b"'", 1)),
+    st.text(max_size=100).map(lambda t: t.encode("utf-8", "surrogatepass") if False else t.encode()),
+)
+names = st.one_of(
+    st.from_regex(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,20}", fullmatch=True),
+    st.text(alphabet=st.characters(blacklist_characters="/\x00", blacklist_categories=("Cs",)), min_size=1, max_size=30),
+).filter(lambda n: n not in (".", "..") and not n.startswith(".") and len(n.encode()) < 200)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(files=st.dictionaries(names, garbage, min_size=1, max_size=12))
+def test_random_files_never_crash_the_worker_and_each_ends_in_one_folder(tmp_path_factory, files):
+    s = SpoolFixture(tmp_path_factory.mktemp("prop") / "spool")
+    s.run("init")
+    s.config("fsync", "false")
+    s.config("backoff_initial", 0)
+    s.config("max_attempts", 1)
+    dropped = {}
+    for i, (name, data) in enumerate(files.items()):
+        tmp = s.path / "tmp" / f"p{i}"
+        tmp.write_bytes(data)
+        os.rename(tmp, s.path / "new" / name)
+        dropped[name] = data
+    proc = s.run("work", "--app", "noop_app:HANDLERS", check=False, cwd=str(_app_dir(tmp_path_factory)))
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    # Every file is in exactly one folder, under its own name or <id>.json;
+    # none is left waiting or running, and nothing else appeared.
+    found = {}
+    for state in STATES:
+        for n in os.listdir(s.path / state):
+            found.setdefault(n, []).append(state)
+    assert not any(len(v) > 1 for v in found.values())
+    accounted = set()
+    for name, data in dropped.items():
+        candidates = [name, name + ".json"] + ([name[:-5]] if name.endswith(".json") else [])
+        homes = [c for c in candidates if c in found]
+        dups = [n for n in found if n.startswith(name.removesuffix(".json") + ".dup-")]
+        assert homes or dups, f"{name!r} vanished"
+        home = (homes or dups)[0]
+        accounted.add(home)
+        assert found[home][0] in ("done", "dead"), (name, found[home])
+        if found[home][0] == "dead" and not data.strip().startswith(b"{"):
+            assert (s.path / "dead" / home).read_bytes() == data  # invalid files stay byte for byte
+    assert set(found) == accounted
+    listed = s.run("list", "--json", check=False)
+    assert listed.returncode == 0 and "Traceback" not in listed.stderr
+
+
+_APP = None
+
+
+def _app_dir(factory):
+    global _APP
+    if _APP is None:
+        _APP = factory.mktemp("app")
+        (_APP / "noop_app.py").write_text("HANDLERS = {'noop': lambda payload: None}\n")
+    return _APP
+
+
+# -- owners and permissions --------------------------------------------------
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to create files owned by another user")
+
+
+def _user(name: str) -> pwd.struct_passwd:
+    try:
+        return pwd.getpwnam(name)
+    except KeyError:
+        pytest.skip(f"no user {name} on this machine")
+
+
+@needs_root
+def test_files_of_untrusted_users_go_to_dead_unless_trusted(fast_spool, tmp_path):
+    s = fast_spool
+    nobody = _user("nobody")
+    marker = tmp_path / "ran"
+    for name in ("stranger", "friend"):
+        path = s.drop(f"{name}.json", json.dumps({"command": f"echo {name} >> {marker}"}))
+        os.chown(path, nobody.pw_uid, nobody.pw_gid)
+    s.work("--max-jobs", "1")
+    assert s.where("stranger") == ["dead"] or s.where("friend") == ["dead"]
+    s.config("trusted_users", "nobody")
+    s.run("retry", "--all")
+    first_dead = s.ids("dead")
+    assert first_dead == []
+    s.work()
+    assert sorted(marker.read_text().split()) == ["friend", "stranger"]
+    s.config("trusted_users", "[]")
+    path = s.drop("late.json", '{"command": "true"}')
+    os.chown(path, nobody.pw_uid, nobody.pw_gid)
+    s.work()
+    reason = s.show("late")["error"]
+    assert s.where("late") == ["dead"] and "untrusted user nobody" in reason and "trusted_users" in reason
+
+
+@needs_root
+def test_shared_spool_lets_a_group_member_enqueue(tmp_path):
+    group = "spoolqtest"
+    user = "spoolqweb"
+    if shutil.which("groupadd") is None or shutil.which("useradd") is None:
+        pytest.skip("groupadd/useradd not available")
+    subprocess.run(["groupadd", "-f", group], check=True)
+    if subprocess.run(["id", user], capture_output=True).returncode != 0:
+        subprocess.run(["useradd", "-M", "-N", "-g", group, "-s", "/usr/sbin/nologin", user], check=True)
+    # pytest's own temporary folders are private to root; this one is not.
+    import tempfile
+    from pathlib import Path
+
+    base = Path(tempfile.mkdtemp(prefix="spoolq-shared-"))
+    os.chmod(base, 0o755)
+    request_cleanup = base
+    tmp_path = base
+    s = SpoolFixture(base / "spool")
+    s.run("init", "--group", group)
+    gid = __import__("grp").getgrnam(group).gr_gid
+    for folder in ("", "tmp", "new", "cur", "failed", "dead", "done"):
+        st_ = os.stat(s.path / folder)
+        assert stat.S_IMODE(st_.st_mode) == 0o2770 and st_.st_gid == gid, folder
+    # The web server's user enqueues from its shell, with a strict umask: the
+    # file is 0660 and belongs to the spool's group.
+    from conftest import ROOT, SPOOLQ
+
+    web = pwd.getpwnam(user)
+    drop = tmp_path / "spoolq-drop"
+    shutil.copy(ROOT / "contrib" / "spoolq-drop", drop)
+    os.chmod(drop, 0o755)
+    proc = subprocess.run(
+        ["setpriv", f"--reuid={web.pw_uid}", f"--regid={web.pw_gid}", "--init-groups", "sh", "-c",
+         f"umask 077; {drop} -s {s.path} 'echo from web'"],
+        capture_output=True, text=True, env=dict(os.environ, HOME="/tmp"))
+    assert proc.returncode == 0, proc.stderr
+    web_job = proc.stdout.strip()
+    st_ = os.stat(s.path / "new" / f"{web_job}.json")
+    assert stat.S_IMODE(st_.st_mode) == 0o660 and st_.st_uid == web.pw_uid and st_.st_gid == gid
+    # spoolq itself makes 0660 files in a shared spool under any umask.
+    proc = subprocess.run(["sh", "-c", f"umask 077; {' '.join(SPOOLQ)} -s {s.path} enqueue 'echo from app'"],
+                          capture_output=True, text=True, check=True)
+    app_job = proc.stdout.strip()
+    assert stat.S_IMODE(os.stat(s.path / "new" / f"{app_job}.json").st_mode) == 0o660
+    # The worker (root here) refuses the web user's file until it is trusted.
+    s.run("config", "set", "fsync", "false")
+    s.work()
+    assert s.where(web_job) == ["dead"] and "untrusted user spoolqweb" in s.show(web_job)["error"]
+    s.run("config", "set", "trusted_users", user)
+    s.run("retry", web_job)
+    s.work()
+    assert s.show(web_job)["stdout"] == "from web\n"
+    assert s.show(app_job)["stdout"] == "from app\n"
+    shutil.rmtree(request_cleanup)
+
+
+def test_private_spool_files_are_0600(spool):
+    job_id = spool.enqueue("true")
+    assert stat.S_IMODE(os.stat(spool.path / "new" / f"{job_id}.json").st_mode) == 0o600
+    spool.run("config", "set", "max_attempts", "2")
+    assert stat.S_IMODE(os.stat(spool.path / "config.json").st_mode) == 0o600
+    spool.work()
+    assert stat.S_IMODE(os.stat(spool.path / "done" / f"{job_id}.json").st_mode) == 0o600
+
+
+def test_a_state_folder_that_is_a_symlink_is_refused(tmp_path):
+    s = SpoolFixture(tmp_path / "spool")
+    s.run("init")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    os.rmdir(s.path / "dead")
+    os.symlink(elsewhere, s.path / "dead")
+    proc = s.run("work", check=False)
+    assert proc.returncode == 1 and "symlink" in proc.stderr
