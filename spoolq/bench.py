@@ -181,6 +181,59 @@ class Bench:
         return self.add(Figure(f"drain_true_j{jobs}", n, seconds, baseline="bare_true",
                                note=f"spoolq work -j {jobs} on argv [\"true\"] jobs (whole command)"))
 
+    def pickup_latency(self, n: int, jobs: int, scope: str = "new", interval: float = 0.005) -> Figure:
+        """Latency from the rename into new/ to the job's start (the worker's
+        timestamp right before it spawns the process), with a watcher running.
+        ``scope`` "paired" is watchdog's stock move pairing, in which claims
+        stall events for up to half a second; "new" is spoolq's watch."""
+        from .record import parse_time
+
+        spool = self.fresh_spool(f"latency-{scope}-j{jobs}")
+        spool.config_set("fsync", False)  # pickup is measured without fsync
+        env = dict(os.environ, SPOOLQ_WATCH_SCOPE=scope)
+        log = open(os.path.join(self.root, f"watch-{scope}-{jobs}.log"), "w")
+        worker = subprocess.Popen(SPOOLQ_CMD + ["-s", spool.path, "work", "--watch", "-q", "-j", str(jobs)],
+                                  env=env, stderr=log)
+        try:
+            deadline = time.monotonic() + 30
+            while not spool.status()["workers"]:  # wait until it watches
+                if time.monotonic() > deadline or worker.poll() is not None:
+                    raise RuntimeError("the watcher did not start")
+                time.sleep(0.01)
+            tmp_dir = os.path.join(spool.path, "tmp")
+            new_dir = os.path.join(spool.path, "new")
+            dropped: dict[str, float] = {}
+            body = b'{"argv": ["true"]}\n'
+            for i in range(n):
+                name = f"lat-{i:06d}"
+                tmp = os.path.join(tmp_dir, name)
+                with open(tmp, "wb") as f:
+                    f.write(body)
+                dropped[name] = time.time()
+                os.rename(tmp, os.path.join(new_dir, name + ".json"))
+                time.sleep(interval)  # pacing: one job at a time, not a backlog
+            deadline = time.monotonic() + 120
+            while spool.dir.count("done") < n:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("not every job ran")
+                time.sleep(0.05)
+        finally:
+            worker.terminate()
+            worker.wait(30)
+            log.close()
+        latencies = []
+        for name, at in dropped.items():
+            job = spool.get(name)
+            latencies.append(parse_time(job["history"][0]["start"]) - at)
+        latencies.sort()
+        p50 = latencies[len(latencies) // 2]
+        p99 = latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))]
+        fig = Figure(f"pickup_{scope}_j{jobs}", n, sum(latencies),
+                     note=f"{'stock watchdog (claims stall events)' if scope == 'paired' else 'spoolq watch'}, -j {jobs}: "
+                          f"p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms, max {latencies[-1] * 1000:.1f} ms")
+        fig.extra.update(p50_ms=round(p50 * 1000, 2), p99_ms=round(p99 * 1000, 2), max_ms=round(latencies[-1] * 1000, 2))
+        return self.add(fig)
+
     # -- report ------------------------------------------------------------
 
     def table(self) -> str:
@@ -216,7 +269,7 @@ def _noop(payload: Any) -> None:
     return None
 
 
-SECTIONS = ("enqueue", "drain", "true", "scale")
+SECTIONS = ("enqueue", "drain", "true", "latency", "scale")
 
 
 def _short(n: int) -> str:
@@ -224,7 +277,8 @@ def _short(n: int) -> str:
 
 
 def run(spool_path: str, jobs: int, fsync: bool, sections: tuple[str, ...] = SECTIONS, true_jobs: int | None = None,
-        scale_sizes: tuple[int, ...] = (1000, 100000), keep: bool = False, progress: bool = True) -> Bench:
+        scale_sizes: tuple[int, ...] = (1000, 100000), latency_jobs: int = 1000, keep: bool = False,
+        progress: bool = True) -> Bench:
     """Run the chosen sections in a scratch folder inside ``spool_path``."""
     os.makedirs(spool_path, exist_ok=True)
     root = os.path.join(spool_path, f".bench-{os.getpid()}")
@@ -245,6 +299,10 @@ def run(spool_path: str, jobs: int, fsync: bool, sections: tuple[str, ...] = SEC
             bench.bare_true(m)
             bench.drain_true(m, 1)
             bench.drain_true(m, 2)
+        if "latency" in sections:
+            for scope in ("new", "paired"):
+                for j in (1, 4):
+                    bench.pickup_latency(latency_jobs, j, scope)
         if "scale" in sections:
             # Draining 1,000 waiting jobs and draining 100 times as many: a flat
             # cost per job means no operation lists a folder once per job.

@@ -81,7 +81,9 @@ class RunHandle:
     pid: int | None = None
     interrupted: bool = False
     inline: bool = False
-    _lock: threading.Lock = field(default_factory=threading.Lock)
+    # Re-entrant: kill() runs in a signal handler on the main thread, which
+    # may have been interrupted while holding this lock.
+    _lock: threading.RLock = field(default_factory=threading.RLock)
     _reaped: bool = False
 
     def kill(self) -> None:

@@ -48,7 +48,9 @@ class Log:
     def __init__(self, stream: TextIO | None = None, level: int = 1):
         self.stream = stream if stream is not None else sys.stderr
         self.level = level  # 0 quiet (problems only), 1 outcomes, 2 verbose
-        self._lock = threading.Lock()
+        # Re-entrant: a signal handler (which runs on the main thread, maybe in
+        # the middle of a line) logs too, and must not wait for itself.
+        self._lock = threading.RLock()
 
     def line(self, text: str, level: int = 1) -> None:
         if level > self.level:
@@ -69,10 +71,14 @@ def _quote(text: str) -> str:
 
 class Waker:
     """Wakes a sleeping dispatcher. The base class only reacts to wake()
-    calls (finished jobs, signals); watchers add filesystem events."""
+    calls (finished jobs, signals); watchers add filesystem events.
+
+    Like threading.Event, but on a re-entrant lock: wake() is called from
+    signal handlers, which may interrupt the main thread inside this lock."""
 
     def __init__(self) -> None:
-        self._event = threading.Event()
+        self._cond = threading.Condition(threading.RLock())
+        self._flag = False
         self.rescan_interval: float | None = None
 
     def start(self) -> None:
@@ -82,13 +88,19 @@ class Waker:
         pass
 
     def wake(self) -> None:
-        self._event.set()
+        with self._cond:
+            self._flag = True
+            self._cond.notify_all()
 
     def clear(self) -> None:
-        self._event.clear()
+        with self._cond:
+            self._flag = False
 
     def wait(self, timeout: float | None) -> bool:
-        return self._event.wait(timeout)
+        with self._cond:
+            if not self._flag:
+                self._cond.wait(timeout)
+            return self._flag
 
     def check(self) -> None:
         """Called on each rescan: restart a failed watch (watchers override)."""
@@ -134,7 +146,7 @@ class Worker:
         self._stopping = False
         self._forced = False
         self._deadline: float | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entrant: the signal handler takes it too
         self._running: dict[int, RunHandle] = {}  # thread id -> the run it is doing
         self._slot_free = threading.Semaphore(jobs)
         self._handoff: queue.Queue = queue.Queue()
@@ -175,7 +187,7 @@ class Worker:
             self.reload()
             return
         if not self._stopping:
-            self.log.line(f"worker={self._wid} signal={signal.Signals(signum).name} stopping: no more claims, running jobs finish", 0)
+            self.log.line(f"worker={self._wid} signal={signal.Signals(signum).name} stopping: no more claims, running jobs finish", 1)
             self.stop()
             return
         self.log.line(f"worker={self._wid} signal={signal.Signals(signum).name} stopping now: running jobs are killed and go back to failed/", 0)

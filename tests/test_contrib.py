@@ -1,0 +1,58 @@
+"""The integration files in contrib/: systemd units that systemd accepts, and
+a crontab line that really runs jobs."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+
+import pytest
+
+from conftest import ROOT, SPOOLQ
+
+UNITS = ROOT / "contrib" / "systemd"
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
+def test_systemd_units_verify(tmp_path):
+    for unit in UNITS.iterdir():
+        text = unit.read_text().replace("/usr/local/bin/spoolq", "/bin/true")
+        text = text.replace("User=app", "User=root").replace("Group=app", "Group=root")
+        (tmp_path / unit.name).write_text(text)
+    proc = subprocess.run(["systemd-analyze", "verify", *sorted(str(p) for p in tmp_path.iterdir())],
+                          capture_output=True, text=True)
+    problems = [line for line in (proc.stdout + proc.stderr).splitlines()
+                if "spoolq" in line or "Unknown" in line or "Failed" in line]
+    assert proc.returncode == 0 and not problems, proc.stdout + proc.stderr
+
+
+def test_units_stop_jobs_gracefully():
+    worker = (UNITS / "spoolq-worker.service").read_text()
+    # SIGTERM must reach only the worker (which lets jobs finish), not every job.
+    assert "KillMode=mixed" in worker and "ExecReload=/bin/kill -HUP $MAINPID" in worker
+    drain = (UNITS / "spoolq-drain.service").read_text()
+    assert "--max-time" in drain and "Type=oneshot" in drain
+    path = (UNITS / "spoolq-drain.path").read_text()
+    assert "DirectoryNotEmpty=/var/spool/app/new" in path
+
+
+@pytest.mark.skipif(shutil.which("flock") is None, reason="flock(1) is not installed")
+def test_the_crontab_line_runs_jobs(fast_spool, tmp_path):
+    lines = [line for line in (ROOT / "contrib" / "cron" / "spoolq.crontab").read_text().splitlines()
+             if line.strip() and not line.startswith("#") and "=" not in line.split()[0]]
+    assert len(lines) == 1
+    fields = lines[0].split(None, 5)
+    assert len(fields) == 6 and fields[:5] == ["*"] * 5
+    command = shlex.split(fields[5])
+    command = [str(fast_spool.path / ".cron.lock") if a == "/var/spool/app/.cron.lock" else a for a in command]
+    command = ["1s" if a == "55s" else a for a in command]
+    spoolq_at = command.index("spoolq")
+    command[spoolq_at:spoolq_at + 1] = SPOOLQ
+    done = tmp_path / "done"
+    job_id = fast_spool.enqueue(f"touch {done}")
+    env = dict(os.environ, SPOOLQ_DIR=str(fast_spool.path))
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout == "" and proc.stderr == ""  # cron mails nothing
+    assert done.exists() and fast_spool.where(job_id) == ["done"]
