@@ -68,6 +68,18 @@ class SpoolGroup(click.Group):
             fail(f"{e.strerror or e}{where}", 1)
         except KeyboardInterrupt:
             fail("interrupted", 130)
+        except click.exceptions.Exit:
+            raise
+        except click.ClickException:
+            raise
+        except Exception as e:  # a bug or an unexpected state: still one line
+            if os.environ.get("SPOOLQ_DEBUG"):
+                raise
+            import sqlite3
+
+            if isinstance(e, sqlite3.Error):
+                fail(f"index.db: {e}", 1)
+            fail(f"internal error: {type(e).__name__}: {e} (SPOOLQ_DEBUG=1 shows the traceback)", 1)
 
 
 @click.group(cls=SpoolGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -377,6 +389,61 @@ def sweep(ctx):
         f"recovered {r.recovered} to failed/, {r.dead} to dead/, completed {r.completed}, "
         f"quarantined {r.quarantined}, killed {r.killed} processes, removed {r.tmp_removed} tmp/ files"
     )
+
+
+@cli.command()
+@click.option("--keep", callback=_duration, metavar="DURATION", help="Drop history older than this (e.g. 30d).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_context
+def compact(ctx, keep, as_json):
+    """Fold done/ into index.db and remove the files; drop old history."""
+    result = _existing(ctx).compact(keep=keep)
+    if as_json:
+        click.echo(json.dumps(result))
+    else:
+        click.echo(f"folded {result['folded']} jobs into index.db in {result['seconds']}s, left {result['left']}, "
+                   f"dropped {result['dropped']} old rows, removed {result['tmp_removed']} tmp/ files")
+
+
+@cli.command()
+@click.option("--dead", "dead", is_flag=True, required=True, help="Purge dead jobs (the only kind there is).")
+@click.option("--older-than", "older_than", callback=_duration, required=True, metavar="DURATION",
+              help="Only dead jobs whose file is older than this.")
+@click.pass_context
+def purge(ctx, dead, older_than):
+    """Clear dead jobs into index.db (a deliberate act; compact never touches dead/)."""
+    result = _existing(ctx).purge_dead(older_than)
+    click.echo(f"purged {result['purged']} dead jobs into index.db, left {result['left']}")
+
+
+def _fmt_seconds(v: Any) -> str:
+    if v is None:
+        return "-"
+    if v < 1:
+        return f"{v * 1000:.1f}ms"
+    return f"{v:.2f}s"
+
+
+@cli.command()
+@click.option("--since", callback=_duration, metavar="DURATION", help="Only jobs and runs that finished this recently.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_context
+def stats(ctx, since, as_json):
+    """Finished jobs, throughput, wait (due to start) and run time per kind or program."""
+    result = _existing(ctx).stats(since=time.time() - since if since is not None else None)
+    if as_json:
+        click.echo(json.dumps(result))
+        return
+    header = ("group", "jobs", "ok", "failed runs", "dead", "cancelled", "jobs/s", "wait p50", "wait p95", "wait max",
+              "run p50", "run p95", "run max")
+    rows = [header]
+    for g in result["groups"] + [dict(result["total"], group="TOTAL")]:
+        rows.append((str(g["group"]), str(g["jobs"]), str(g["succeeded"]), str(g["failed_runs"]), str(g["dead"]),
+                     str(g["cancelled"]), "-" if g["throughput_per_s"] is None else f"{g['throughput_per_s']:g}",
+                     *(_fmt_seconds(g[k]) for k in ("wait_p50", "wait_p95", "wait_max", "run_p50", "run_p95", "run_max"))))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    for r in rows:
+        click.echo("  ".join(c.ljust(widths[i]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(r)))
 
 
 @cli.group(name="config", cls=SpoolGroup)

@@ -208,8 +208,48 @@ class Spool:
                 return None
             from .index import Index
 
-            self._index = Index(os.path.join(self.path, "index.db"))
+            self._index = Index(os.path.join(self.path, "index.db"), durable=bool(self.settings["fsync"]))
         return self._index
+
+    # -- history -----------------------------------------------------------
+
+    def compact(self, keep: float | None = None) -> dict[str, int]:
+        """Fold done/ into index.db (each file removed once its row is
+        committed), drop history older than ``keep`` seconds, and remove
+        tmp/ files older than 36 hours."""
+        from .index import compact
+
+        self._open(create=True)
+        return compact(self.dir, self.index(create=True), self.settings, keep)
+
+    def purge_dead(self, older_than: float) -> dict[str, int]:
+        """Clear dead jobs older than ``older_than`` seconds into index.db."""
+        from .index import purge_dead
+
+        self._open()
+        return purge_dead(self.dir, self.index(create=True), self.settings, older_than)
+
+    def stats(self, since: float | None = None) -> dict[str, Any]:
+        """Finished jobs, throughput, wait time (due to start) and run time
+        (p50, p95, max) in total and per kind or program, from index.db plus
+        the records still in done/ and dead/. ``since``: epoch seconds."""
+        from .index import Index, stats
+
+        self._open()
+        extra = []
+        for state in ("done", "dead"):
+            for name, st in self.dir.entries(state):
+                job = self._read_record(state, name, st)
+                if job.get("valid") is False:
+                    continue
+                finished = job.get("finished_at")
+                try:
+                    finished_at = record.parse_time(finished) if finished else st.st_mtime
+                except ValueError:
+                    finished_at = st.st_mtime
+                extra.append((job, state, finished_at))
+        index = self.index() or Index(":memory:", durable=False)
+        return stats(index, extra, since)
 
     def _read_record(self, state: str, name: str, st: os.stat_result | None = None) -> dict[str, Any]:
         """A file's record as ``show`` prints it (invalid files included)."""
@@ -265,10 +305,7 @@ class Spool:
             return job
         index = self.index()
         if index is not None:
-            job = index.get(job_id)
-            if job is not None:
-                job["state"] = "done"
-                return job
+            return index.get(job_id)
         return None
 
     def status(self) -> dict[str, Any]:
@@ -279,7 +316,8 @@ class Spool:
         counts: dict[str, Any] = {state: self.dir.count(state) for state in STATES}
         counts["done_files"] = counts["done"]
         index = self.index()
-        counts["compacted"] = index.count() if index is not None else 0
+        counts["compacted"] = index.count("done") if index is not None else 0
+        counts["dead_purged"] = index.count("dead") if index is not None else 0
         counts["done"] += counts["compacted"]
         counts["workers"] = [
             {k: w.get(k) for k in ("worker", "host", "pid", "started_at", "jobs")} for w in live_workers(self.dir)

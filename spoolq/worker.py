@@ -36,6 +36,8 @@ from .runner import Limits, Outcome, RunHandle, call_handler, fork_handler, run_
 SCAN_LIMIT = 100_000  # due entries kept per pass: bounds memory with a million files waiting
 COMMIT_JOBS = 64  # group commit: at most this many finished jobs share one folder fsync ...
 COMMIT_SECONDS = 0.05  # ... and none waits longer than this for it
+COMPACT_CHECK_JOBS = 1000  # count done/ for auto-compaction after this many jobs ...
+COMPACT_CHECK_SECONDS = 60.0  # ... or this long
 
 
 class ForcedStop(BaseException):
@@ -156,6 +158,8 @@ class Worker:
         self._group_commit = jobs == 1
         self._uncommitted: list[tuple] = []
         self._first_uncommitted = 0.0
+        self._next_compact_ran = 0
+        self._next_compact_time = 0.0
         self._base_env = dict(os.environ)
         self._base_env["SPOOLQ_SPOOL"] = spool.path
 
@@ -313,6 +317,7 @@ class Worker:
                     waker.wait(self._sleep_for(next_due))
                     if not self._may_claim():
                         break
+                self._maybe_compact()
                 waker.clear()
                 waker.check()
                 with self._lock:
@@ -354,6 +359,28 @@ class Worker:
             for _ in range(self.jobs):
                 while not self._slot_free.acquire(timeout=0.2):
                     pass
+
+    def _maybe_compact(self) -> None:
+        """Fold done/ into the index when it holds more than compact_after
+        files. done/ is counted at most every COMPACT_CHECK_JOBS finished jobs
+        or COMPACT_CHECK_SECONDS, so the check costs nothing per job."""
+        limit = int(self.ctx.settings["compact_after"])
+        if limit <= 0:
+            return
+        now = time.monotonic()
+        if self.ran < self._next_compact_ran and now < self._next_compact_time:
+            return
+        self._next_compact_ran = self.ran + max(1, min(COMPACT_CHECK_JOBS, limit // 10))
+        self._next_compact_time = now + COMPACT_CHECK_SECONDS
+        try:
+            if self.spool.dir.count("done") <= limit:
+                return
+            self._commit()
+            result = self.spool.compact()
+        except Exception as e:  # the index is history: never stop the worker for it
+            self.log.line(f"worker={self._wid} compaction failed: {e}", 0)
+            return
+        self.log.line(f"worker={self._wid} compacted {result['folded']} jobs into index.db in {result['seconds']}s", 1)
 
     def _sleep_for(self, next_due: int | None) -> float | None:
         timeout = self.waker.rescan_interval if self.watch else None

@@ -1,0 +1,390 @@
+"""The index: finished jobs folded from done/ into SQLite (``index.db``).
+
+One row per job in ``jobs`` (its fields as columns plus the whole record as
+JSON) and one row per run in ``runs`` (from the record's history), so every
+question about past jobs is one query. Compaction commits the rows first and
+removes each file only after that, holding the file's lock: a crash at any
+point leaves every record in the index, in done/, or in both (the next
+compaction skips what is already there), and the primary key keeps one row
+per job.
+
+The index is history only: it never decides where a waiting job is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import time
+from typing import Any, Iterator
+
+from . import record
+from .protocol import Busy, Gone, NotRegular, SpoolDir, duplicate_name, file_name, id_of
+
+SCHEMA_VERSION = 1
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    id          TEXT PRIMARY KEY,  -- the job id
+    state       TEXT NOT NULL,     -- 'done', or 'dead' for jobs purged from dead/
+    outcome     TEXT,              -- 'succeeded' | 'cancelled' (done), NULL (dead)
+    kind        TEXT,              -- handler jobs
+    command     TEXT,              -- shell jobs
+    argv        TEXT,              -- argv jobs, as a JSON array
+    target      TEXT NOT NULL,     -- what stats group by: kind, else program name
+    attempts    INTEGER,           -- runs in the last round
+    runs        INTEGER NOT NULL,  -- runs in the whole history
+    exit_code   INTEGER,
+    error       TEXT,
+    created_at  REAL,              -- epoch seconds (all times are)
+    finished_at REAL NOT NULL,
+    record      TEXT NOT NULL      -- the whole JSON record
+);
+CREATE INDEX IF NOT EXISTS jobs_by_finish ON jobs (finished_at, id);
+CREATE TABLE IF NOT EXISTS runs (
+    job_id      TEXT NOT NULL,
+    attempt     INTEGER,
+    target      TEXT NOT NULL,
+    worker      TEXT,
+    due         REAL,
+    start       REAL,
+    end         REAL,
+    wait        REAL,              -- start - due: time spent waiting while due
+    duration    REAL,              -- end - start
+    exit_code   INTEGER,
+    error       TEXT,              -- NULL for a successful run
+    PRIMARY KEY (job_id, attempt, start)
+);
+CREATE INDEX IF NOT EXISTS runs_by_end ON runs (end);
+CREATE TABLE IF NOT EXISTS counters (
+    name        TEXT PRIMARY KEY,  -- cumulative: never lowered by --keep
+    value       INTEGER NOT NULL
+);
+"""
+
+JOB_COLUMNS = ("id", "state", "outcome", "kind", "command", "argv", "target", "attempts", "runs", "exit_code",
+               "error", "created_at", "finished_at", "record")
+RUN_COLUMNS = ("job_id", "attempt", "target", "worker", "due", "start", "end", "wait", "duration", "exit_code", "error")
+
+
+def _time(value: Any) -> float | None:
+    if value is None:
+        return None
+    try:
+        return record.parse_time(value)
+    except ValueError:
+        return None
+
+
+def job_row(job: dict, state: str, finished_at: float) -> tuple:
+    argv = job.get("argv")
+    history = job.get("history") if isinstance(job.get("history"), list) else []
+    return (
+        job["id"], state, job.get("outcome") if state == "done" else None,
+        job.get("kind") if isinstance(job.get("kind"), str) else None,
+        job.get("command") if isinstance(job.get("command"), str) else None,
+        json.dumps(argv) if argv is not None else None,
+        record.target_label(job),
+        job.get("attempts") if isinstance(job.get("attempts"), int) else None,
+        len(history),
+        job.get("exit_code") if isinstance(job.get("exit_code"), int) else None,
+        job.get("error") if isinstance(job.get("error"), str) else None,
+        _time(job.get("created_at")),
+        finished_at,
+        json.dumps(job, ensure_ascii=False),
+    )
+
+
+def run_rows(job: dict) -> list[tuple]:
+    rows = []
+    target = record.target_label(job)
+    history = job.get("history") if isinstance(job.get("history"), list) else []
+    for i, h in enumerate(history):
+        if not isinstance(h, dict):
+            continue
+        due, start, end = _time(h.get("due")), _time(h.get("start")), _time(h.get("end"))
+        rows.append((
+            job["id"], h.get("attempt") if isinstance(h.get("attempt"), int) else i + 1, target,
+            h.get("worker") if isinstance(h.get("worker"), str) else None,
+            due, start, end,
+            max(0.0, start - due) if start is not None and due is not None else None,
+            max(0.0, end - start) if end is not None and start is not None else None,
+            h.get("exit_code") if isinstance(h.get("exit_code"), int) else None,
+            h.get("error") if isinstance(h.get("error"), str) else None,
+        ))
+    return rows
+
+
+class Index:
+    """The SQLite history of one spool."""
+
+    def __init__(self, path: str, durable: bool = True):
+        self.path = path
+        self.durable = durable
+        self._db: sqlite3.Connection | None = None
+
+    @property
+    def db(self) -> sqlite3.Connection:
+        if self._db is None:
+            db = sqlite3.connect(self.path, timeout=60, isolation_level=None, check_same_thread=False)
+            db.execute("PRAGMA journal_mode=WAL")
+            # FULL: a commit is on disk before compaction removes the files it holds.
+            db.execute(f"PRAGMA synchronous={'FULL' if self.durable else 'NORMAL'}")
+            if db.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:
+                db.executescript(f"BEGIN IMMEDIATE; {SCHEMA} PRAGMA user_version={SCHEMA_VERSION}; COMMIT;")
+            self._db = db
+        return self._db
+
+    def close(self) -> None:
+        if self._db is not None:
+            self._db.close()
+            self._db = None
+
+    # -- reading -----------------------------------------------------------
+
+    def has(self, job_id: str) -> bool:
+        return self.db.execute("SELECT 1 FROM jobs WHERE id = ?", (job_id,)).fetchone() is not None
+
+    def get(self, job_id: str) -> dict | None:
+        row = self.db.execute("SELECT record, state FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        if row is None:
+            return None
+        job = json.loads(row[0])
+        job["state"] = row[1]
+        job["compacted"] = True
+        return job
+
+    def count(self, state: str = "done") -> int:
+        row = self.db.execute("SELECT value FROM counters WHERE name = ?", (f"rows_{state}",)).fetchone()
+        return int(row[0]) if row else 0
+
+    def counters(self) -> dict[str, int]:
+        return {name: value for name, value in self.db.execute("SELECT name, value FROM counters")}
+
+    def iter_done(self, since: float | None = None) -> Iterator[dict]:
+        """Compacted done jobs by finish time, each with ``_sort`` = (ns, name)
+        to merge with done/ files (whose sort key is (mtime ns, name))."""
+        cursor = self.db.execute(
+            "SELECT record, finished_at, id FROM jobs WHERE state = 'done' AND finished_at >= ? ORDER BY finished_at, id",
+            (since if since is not None else -1.0,),
+        )
+        for rec, finished_at, job_id in cursor:
+            job = json.loads(rec)
+            job["state"] = "done"
+            job["compacted"] = True
+            job["_sort"] = (int(finished_at * 1e9), file_name(job_id))
+            yield job
+
+    # -- writing -----------------------------------------------------------
+
+    def add(self, jobs: list[tuple[dict, str, float]]) -> list[str]:
+        """Insert finished jobs in one transaction; returns the ids stored.
+        A job already there with the same record is skipped (a compaction
+        that crashed after its commit); one with a different record is stored
+        under a ``.dup-`` id so neither is lost."""
+        stored = []
+        db = self.db
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            for job, state, finished_at in jobs:
+                existing = db.execute("SELECT record FROM jobs WHERE id = ?", (job["id"],)).fetchone()
+                if existing is not None:
+                    if json.loads(existing[0]) == job:
+                        stored.append(job["id"])
+                        continue
+                    job = dict(job, id=id_of(duplicate_name(file_name(job["id"]))), duplicate_of=job["id"])
+                db.execute(f"INSERT INTO jobs ({', '.join(JOB_COLUMNS)}) VALUES ({', '.join('?' * len(JOB_COLUMNS))})",
+                           job_row(job, state, finished_at))
+                runs = run_rows(job)
+                db.executemany(f"INSERT OR REPLACE INTO runs ({', '.join(RUN_COLUMNS)}) VALUES ({', '.join('?' * len(RUN_COLUMNS))})", runs)
+                self._bump(f"rows_{state}", 1)
+                if state == "done":
+                    self._bump(f"jobs_{job.get('outcome') or 'succeeded'}", 1)
+                else:
+                    self._bump("jobs_dead", 1)
+                self._bump("runs_succeeded", sum(1 for r in runs if r[10] is None))
+                self._bump("runs_failed", sum(1 for r in runs if r[10] is not None))
+                stored.append(job["id"])
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        return stored
+
+    def _bump(self, name: str, by: int) -> None:
+        if by:
+            self.db.execute(
+                "INSERT INTO counters (name, value) VALUES (?, ?) ON CONFLICT(name) DO UPDATE SET value = value + ?",
+                (name, by, by),
+            )
+
+    def drop_older(self, cutoff: float) -> int:
+        """Delete jobs (and their runs) that finished before ``cutoff``."""
+        db = self.db
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            n = {}
+            for state in ("done", "dead"):
+                n[state] = db.execute("SELECT COUNT(*) FROM jobs WHERE state = ? AND finished_at < ?", (state, cutoff)).fetchone()[0]
+            db.execute("DELETE FROM runs WHERE job_id IN (SELECT id FROM jobs WHERE finished_at < ?)", (cutoff,))
+            db.execute("DELETE FROM jobs WHERE finished_at < ?", (cutoff,))
+            for state, count in n.items():
+                self._bump(f"rows_{state}", -count)
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        return sum(n.values())
+
+
+# --------------------------------------------------------------------------
+# folding folders into the index
+
+
+def fold(spool: SpoolDir, index: Index, folder: str, names: list[str], settings: dict, batch: int = 2000) -> tuple[int, int]:
+    """Move the given files of ``folder`` into the index, ``batch`` at a time:
+    lock each file, commit its row, then remove it (still locked). Files that
+    are busy, gone or unreadable are left where they are.
+    Returns (jobs folded, files left)."""
+    from .transitions import Context, check
+
+    ctx = Context(spool, settings)
+    folded = left = 0
+    for start in range(0, len(names), batch):
+        held_batch = []
+        rows = []
+        try:
+            for name in names[start:start + batch]:
+                try:
+                    held = spool.hold(folder, name)
+                except (Busy, Gone, FileNotFoundError, NotRegular, PermissionError):
+                    left += 1
+                    continue
+                try:
+                    job = check(ctx, held.st, held.read, name)
+                except (record.InvalidJob, OSError):
+                    if folder != "dead":  # only a deliberate purge takes invalid files
+                        held.release()
+                        left += 1
+                        continue
+                    raw = held.read(int(settings["max_job_bytes"]))
+                    job = {"id": id_of(name), "invalid": True, "raw": raw.decode("utf-8", "replace")}
+                held_batch.append(held)
+                finished = _time(job.get("finished_at")) or held.st.st_mtime
+                rows.append((job, "done" if folder == "done" else "dead", finished))
+            if not rows:
+                continue
+            index.add(rows)
+            for held in held_batch:
+                held.unlink()
+            spool.sync_dir(folder)
+            folded += len(rows)
+        finally:
+            for held in held_batch:
+                held.release()
+    return folded, left
+
+
+def compact(spool: SpoolDir, index: Index, settings: dict, keep: float | None = None) -> dict[str, int]:
+    """Fold done/ into the index, drop history older than ``keep`` seconds,
+    and remove tmp/ files older than 36 hours."""
+    started = time.monotonic()
+    names = sorted(spool.names("done"))
+    folded, left = fold(spool, index, "done", names, settings)
+    dropped = index.drop_older(time.time() - keep) if keep is not None else 0
+    tmp_removed = spool.remove_tmp()
+    return {"folded": folded, "left": left, "dropped": dropped, "tmp_removed": tmp_removed,
+            "seconds": round(time.monotonic() - started, 3)}
+
+
+def purge_dead(spool: SpoolDir, index: Index, settings: dict, older_than: float) -> dict[str, int]:
+    """Clear dead jobs whose file is older than ``older_than`` seconds into the
+    index (a deliberate act: compaction never touches dead/)."""
+    cutoff = time.time() - older_than
+    names = sorted(n for n, st in spool.entries("dead") if st.st_mtime < cutoff)
+    folded, left = fold(spool, index, "dead", names, settings)
+    return {"purged": folded, "left": left}
+
+
+# --------------------------------------------------------------------------
+# statistics
+
+
+STATS_SQL = """
+WITH r AS (
+    SELECT {group} AS grp, wait, duration, error FROM all_runs WHERE end >= :since
+),
+ranked AS (
+    SELECT grp, wait, duration, error,
+           ROW_NUMBER() OVER (PARTITION BY grp ORDER BY wait) AS wait_rank,
+           ROW_NUMBER() OVER (PARTITION BY grp ORDER BY duration) AS run_rank,
+           COUNT(*) OVER (PARTITION BY grp) AS n
+    FROM r
+),
+pct AS (  -- nearest-rank percentiles: the value at rank ceil(p * n)
+    SELECT grp,
+           MAX(CASE WHEN wait_rank = MAX(1, CAST(0.50 * n + 0.999999 AS INTEGER)) THEN wait END) AS wait_p50,
+           MAX(CASE WHEN wait_rank = MAX(1, CAST(0.95 * n + 0.999999 AS INTEGER)) THEN wait END) AS wait_p95,
+           MAX(wait) AS wait_max,
+           MAX(CASE WHEN run_rank = MAX(1, CAST(0.50 * n + 0.999999 AS INTEGER)) THEN duration END) AS run_p50,
+           MAX(CASE WHEN run_rank = MAX(1, CAST(0.95 * n + 0.999999 AS INTEGER)) THEN duration END) AS run_p95,
+           MAX(duration) AS run_max,
+           COUNT(*) AS runs,
+           SUM(error IS NOT NULL) AS failed_runs
+    FROM ranked GROUP BY grp
+),
+j AS (
+    SELECT {group} AS grp,
+           SUM(state = 'done' AND outcome = 'succeeded') AS succeeded,
+           SUM(state = 'done' AND outcome = 'cancelled') AS cancelled,
+           SUM(state = 'dead') AS dead,
+           COUNT(*) AS jobs,
+           MIN(finished_at) AS first_finish,
+           MAX(finished_at) AS last_finish
+    FROM all_jobs WHERE finished_at >= :since GROUP BY grp
+),
+g AS (SELECT grp FROM j UNION SELECT grp FROM pct)
+SELECT g.grp,
+       COALESCE(j.jobs, 0), COALESCE(j.succeeded, 0), COALESCE(pct.failed_runs, 0), COALESCE(j.dead, 0),
+       COALESCE(j.cancelled, 0), COALESCE(pct.runs, 0), j.first_finish, j.last_finish,
+       pct.wait_p50, pct.wait_p95, pct.wait_max, pct.run_p50, pct.run_p95, pct.run_max
+FROM g LEFT JOIN j ON j.grp = g.grp LEFT JOIN pct ON pct.grp = g.grp
+ORDER BY 2 DESC, 1
+"""
+
+STAT_FIELDS = ("target", "jobs", "succeeded", "failed_runs", "dead", "cancelled", "runs", "first_finish", "last_finish",
+               "wait_p50", "wait_p95", "wait_max", "run_p50", "run_p95", "run_max")
+
+
+def stats(index: Index, extra_jobs: list[tuple[dict, str, float]], since: float | None) -> dict[str, Any]:
+    """Per-target and total statistics over the index plus ``extra_jobs``
+    (the finished jobs still in folders), in SQL. Percentiles are nearest-rank."""
+    db = index.db
+    db.execute("DROP TABLE IF EXISTS temp.extra_jobs")
+    db.execute("DROP TABLE IF EXISTS temp.extra_runs")
+    db.execute("CREATE TEMP TABLE extra_jobs AS SELECT * FROM main.jobs WHERE 0")
+    db.execute("CREATE TEMP TABLE extra_runs AS SELECT * FROM main.runs WHERE 0")
+    db.executemany(f"INSERT INTO temp.extra_jobs VALUES ({', '.join('?' * len(JOB_COLUMNS))})",
+                   [job_row(j, s, f) for j, s, f in extra_jobs])
+    db.executemany(f"INSERT INTO temp.extra_runs VALUES ({', '.join('?' * len(RUN_COLUMNS))})",
+                   [r for j, _, _ in extra_jobs for r in run_rows(j)])
+    db.execute("DROP VIEW IF EXISTS temp.all_jobs")
+    db.execute("DROP VIEW IF EXISTS temp.all_runs")
+    db.execute("CREATE TEMP VIEW all_jobs AS SELECT * FROM main.jobs UNION ALL SELECT * FROM temp.extra_jobs")
+    db.execute("CREATE TEMP VIEW all_runs AS SELECT * FROM main.runs UNION ALL SELECT * FROM temp.extra_runs")
+    params = {"since": since if since is not None else -1.0}
+    groups = [dict(zip(STAT_FIELDS, row)) for row in db.execute(STATS_SQL.format(group="target"), params)]
+    total_rows = [dict(zip(STAT_FIELDS, row)) for row in db.execute(STATS_SQL.format(group="'total'"), params)]
+    total = total_rows[0] if total_rows else {**dict.fromkeys(STAT_FIELDS, 0), **dict.fromkeys(STAT_FIELDS[7:])}
+    for entry in groups + [total]:
+        first, last = entry.pop("first_finish"), entry.pop("last_finish")
+        window = (time.time() - since) if since is not None else ((last - first) if first is not None and last is not None else 0)
+        entry["throughput_per_s"] = round(entry["jobs"] / window, 3) if window and window > 0 else None
+        entry["group"] = entry.pop("target")
+    total.pop("group", None)
+    db.execute("DROP VIEW temp.all_jobs")
+    db.execute("DROP VIEW temp.all_runs")
+    db.execute("DROP TABLE temp.extra_jobs")
+    db.execute("DROP TABLE temp.extra_runs")
+    return {"total": total, "groups": groups}

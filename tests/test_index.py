@@ -1,0 +1,235 @@
+"""History: compaction into index.db, answers from folders plus index,
+stats, Prometheus metrics and purging dead jobs."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import random
+import signal
+import sqlite3
+import time
+
+from conftest import wait_for
+
+
+def _rows(s) -> list[tuple[str, str]]:
+    db = sqlite3.connect(s.path / "index.db")
+    try:
+        return db.execute("SELECT id, state FROM jobs").fetchall()
+    finally:
+        db.close()
+
+
+def test_compaction_folds_done_and_everything_still_answers(fast_spool):
+    s = fast_spool
+    ok = [s.enqueue("echo hi") for _ in range(30)]
+    dead = s.enqueue("--max-attempts", "1", "exit 4")
+    s.work("-q")
+    out = s.run("compact").stdout
+    assert "folded 30 jobs" in out
+    assert s.names("done") == [] and s.ids("dead") == [dead]  # dead/ is never compacted
+    assert sorted(r[0] for r in _rows(s)) == sorted(ok)
+    st = s.status()
+    assert st["done"] == 30 and st["compacted"] == 30 and st["done_files"] == 0 and st["dead"] == 1
+    job = s.show(ok[0])
+    assert job["state"] == "done" and job["stdout"] == "hi\n" and job["compacted"] is True
+    listed = [json.loads(line) for line in s.run("list", "--state", "done", "--json").stdout.splitlines()]
+    assert [j["id"] for j in listed] == ok  # oldest first, from the index
+    assert len(s.run("list", "--state", "done", "--limit", "5").stdout.splitlines()) == 5
+    # Compacted ids stay taken.
+    proc = s.run("enqueue", "--id", ok[0], "true", check=False)
+    assert proc.returncode == 1 and "index" in proc.stderr
+    # New finished jobs merge with the compacted ones, in finish order.
+    more = s.enqueue("true")
+    s.work("-q")
+    listed = [json.loads(line)["id"] for line in s.run("list", "--state", "done", "--json").stdout.splitlines()]
+    assert listed == ok + [more]
+    assert s.status()["done"] == 31
+
+
+def test_compaction_while_two_workers_drain_loses_nothing(fast_spool, tmp_path):
+    s = fast_spool
+    log = tmp_path / "ran.log"
+    ids = s.run("enqueue", "--jsonl", "-", input="".join(
+        json.dumps({"command": f"echo $SPOOLQ_JOB_ID >> {log}"}) + "\n" for _ in range(600))).stdout.split()
+    workers = [s.popen("work", "-j", "2", "-q") for _ in range(2)]
+    compactions = 0
+    while any(w.poll() is None for w in workers):
+        s.run("compact")
+        compactions += 1
+    s.run("compact")
+    rows = _rows(s)
+    assert len(rows) == len({r[0] for r in rows}) == 600  # one row per job
+    assert {r[0] for r in rows} == set(ids)
+    assert s.names("done") == [] and s.names("cur") == [] and s.names("new") == []
+    assert collections.Counter(log.read_text().split()) == collections.Counter({i: 1 for i in ids})
+    assert compactions >= 2
+
+
+def test_a_compaction_killed_at_random_points_leaves_one_row_per_job(fast_spool):
+    s = fast_spool
+    s.config("fsync", "true")  # the index commits durably before files go
+    ids = s.run("enqueue", "--jsonl", "-", input='{"command": "true"}\n' * 3000).stdout.split()
+    s.config("fsync", "false")
+    s.work("-q", "-j", "2")
+    s.config("fsync", "true")
+    rng = random.Random(5)
+    kills = 0
+    for _ in range(8):
+        proc = s.popen("compact", stdout=open(os.devnull, "w"), stderr=open(os.devnull, "w"))
+        time.sleep(rng.uniform(0.05, 0.4))  # a random point in the compaction, not a synchronisation
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            kills += 1
+        proc.wait()
+        if not s.names("done"):
+            break
+    s.run("compact")
+    rows = _rows(s)
+    assert sorted(r[0] for r in rows) == sorted(ids)
+    assert s.names("done") == []
+    db = sqlite3.connect(s.path / "index.db")
+    counted = db.execute("SELECT value FROM counters WHERE name = 'rows_done'").fetchone()[0]
+    runs = db.execute("SELECT COUNT(*), COUNT(DISTINCT job_id) FROM runs").fetchone()
+    db.close()
+    assert counted == 3000 and runs == (3000, 3000)
+    assert s.status()["done"] == 3000
+    assert kills >= 1
+
+
+def _fake_done(s, job_id: str, finished: float, runs: list[tuple[float, float]], outcome="succeeded", kind="report"):
+    """A finished record as a worker writes it, with runs (wait, duration)."""
+    history = []
+    t = finished - sum(w + d for w, d in runs)
+    for i, (wait, duration) in enumerate(runs, 1):
+        due = t
+        start = due + wait
+        end = start + duration
+        entry = {"attempt": i, "worker": "w", "due": _t(due), "start": _t(start), "end": _t(end)}
+        if i < len(runs) or outcome == "dead":
+            entry["error"] = "exit status 1"
+            entry["exit_code"] = 1
+        else:
+            entry["exit_code"] = 0
+        history.append(entry)
+        t = end
+    state = "dead" if outcome == "dead" else "done"
+    job = {"kind": kind, "id": job_id, "state": state, "attempts": len(runs), "history": history,
+           "created_at": _t(finished - 100), "finished_at": _t(finished)}
+    if state == "done":
+        job["outcome"] = outcome
+    path = s.drop(f"{job_id}.json", json.dumps(job), folder=state)
+    os.utime(path, (finished, finished))
+
+
+def _t(ts: float) -> str:
+    from spoolq.record import rfc3339
+
+    return rfc3339(ts)
+
+
+def test_stats_percentiles_on_known_durations(fast_spool):
+    s = fast_spool
+    now = time.time()
+    # 100 report jobs: run i takes i ms and waited i/10 s (i = 1..100).
+    for i in range(1, 101):
+        _fake_done(s, f"r{i:03d}", now - 1000 + i, [(i / 10, i / 1000)])
+    # 20 mail jobs: a failed run then a good one; two cancelled; one dead.
+    for i in range(20):
+        _fake_done(s, f"m{i:02d}", now - 500 + i, [(1.0, 0.5), (2.0, 0.25)], kind="mail")
+    _fake_done(s, "c1", now - 10, [], outcome="cancelled", kind="mail")
+    _fake_done(s, "c2", now - 9, [], outcome="cancelled", kind="mail")
+    _fake_done(s, "d1", now - 8, [(0.0, 3.0)], outcome="dead", kind="mail")
+    s.run("compact")  # half in the index, half still in done/ ...
+    for i in range(101, 121):
+        _fake_done(s, f"r{i:03d}", now - 200 + i, [(i / 10, i / 1000)])  # ... plus 20 more report jobs in done/
+    result = json.loads(s.run("stats", "--json").stdout)
+    groups = {g["group"]: g for g in result["groups"]}
+    rep = groups["report"]
+    assert rep["jobs"] == 120 and rep["succeeded"] == 120 and rep["failed_runs"] == 0 and rep["runs"] == 120
+    # nearest rank over 1..120: p50 = 60th, p95 = 114th
+    assert abs(rep["run_p50"] - 0.060) < 1e-4 and abs(rep["run_p95"] - 0.114) < 1e-4 and abs(rep["run_max"] - 0.120) < 1e-4
+    assert abs(rep["wait_p50"] - 6.0) < 1e-3 and abs(rep["wait_p95"] - 11.4) < 1e-3 and abs(rep["wait_max"] - 12.0) < 1e-3
+    mail = groups["mail"]
+    assert mail["jobs"] == 23 and mail["succeeded"] == 20 and mail["cancelled"] == 2 and mail["dead"] == 1
+    assert mail["runs"] == 41 and mail["failed_runs"] == 21  # 20 failed first runs + the dead one's run
+    assert abs(mail["run_p50"] - 0.5) < 1e-4 and abs(mail["run_max"] - 3.0) < 1e-4
+    total = result["total"]
+    assert total["jobs"] == 143 and total["runs"] == 161
+    for key in ("wait_p50", "wait_p95", "run_p50", "run_p95"):
+        assert isinstance(total[key], float)
+    recent = json.loads(s.run("stats", "--json", "--since", "400").stdout)
+    assert recent["total"]["jobs"] == 20 + 3  # the 20 newest reports, c1, c2, d1; the rest finished earlier
+    assert "report" in s.run("stats").stdout
+
+
+def test_keep_drops_old_rows_only(fast_spool):
+    s = fast_spool
+    now = time.time()
+    for i in range(5):
+        _fake_done(s, f"old{i}", now - 40 * 86400, [(0.1, 0.1)])
+    for i in range(5):
+        _fake_done(s, f"new{i}", now - 3600, [(0.1, 0.1)])
+    s.run("compact", "--keep", "30d")
+    assert sorted(r[0] for r in _rows(s)) == [f"new{i}" for i in range(5)]
+    assert s.status()["done"] == 5
+    assert s.run("show", "old1", check=False).returncode == 1
+    assert s.show("new1")["state"] == "done"
+
+
+def test_prometheus_output_parses(fast_spool):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    s = fast_spool
+    for _ in range(3):
+        s.enqueue("true")
+    s.enqueue("--max-attempts", "2", "false")
+    s.enqueue("--in", "1h", "true")
+    s.work("-q")
+    s.run("compact")
+    s.enqueue("true")
+    s.work("-q")
+    text = s.run("status", "--prometheus").stdout
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    jobs = {smp.labels["state"]: smp.value for smp in families["spoolq_jobs"].samples}
+    assert jobs == {"new": 1, "cur": 0, "failed": 1, "dead": 0, "done": 1}
+    assert families["spoolq_jobs_compacted"].samples[0].value == 3
+    assert families["spoolq_finished_jobs"].type == "counter"
+    finished = {smp.labels["outcome"]: smp.value for smp in families["spoolq_finished_jobs"].samples}
+    assert finished == {"succeeded": 4, "cancelled": 0}
+    runs = {smp.labels["result"]: smp.value for smp in families["spoolq_runs"].samples}
+    assert runs == {"succeeded": 4, "failed": 0}
+    assert families["spoolq_workers"].samples[0].value == 0
+    assert families["spoolq_oldest_due_job_age_seconds"].samples[0].value == 0  # the failed one is not due yet
+
+
+def test_auto_compaction_during_a_drain(fast_spool):
+    s = fast_spool
+    s.config("compact_after", 50)
+    s.run("enqueue", "--jsonl", "-", input='{"command": "true"}\n' * 200)
+    err = s.work().stderr
+    assert "compacted" in err
+    st = s.status()
+    assert st["done"] == 200 and st["compacted"] >= 100 and st["done_files"] <= 60
+
+
+def test_purge_dead_clears_old_dead_jobs_into_the_index(fast_spool):
+    s = fast_spool
+    old = s.enqueue("--max-attempts", "1", "false")
+    s.drop("garbage.json", b"not json at all")
+    s.work("-q")
+    past = time.time() - 10 * 86400
+    for name in s.names("dead"):
+        os.utime(s.path / "dead" / name, (past, past))
+    recent = s.enqueue("--max-attempts", "1", "false")
+    s.work("-q")
+    out = s.run("purge", "--dead", "--older-than", "7d").stdout
+    assert "purged 2" in out
+    assert s.ids("dead") == [recent]
+    job = s.show(old)
+    assert job["state"] == "dead" and job["compacted"] is True and job["error"] == "exit status 1"
+    assert s.show("garbage")["raw"] == "not json at all"
+    assert s.status()["dead_purged"] == 2
+    assert s.run("purge", "--older-than", "1d", check=False).returncode == 2  # --dead is required
