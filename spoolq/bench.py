@@ -159,15 +159,18 @@ class Bench:
         assert proc.stdout.count(b"\n") == n
         return self.add(Figure("enqueue_jsonl", n, seconds, baseline="bare_enqueue", note="spoolq enqueue --jsonl - (whole command)"))
 
-    def drain_handlers(self, n: int, name: str = "drain_handlers") -> Figure:
+    def drain_handlers(self, n: int, name: str = "drain_handlers", timeout: float | None = None) -> Figure:
         spool = self.fresh_spool("drain")
+        job = {"kind": "noop"} if timeout is None else {"kind": "noop", "timeout": timeout}
         for start in range(0, n, 10000):
-            spool.enqueue_many([{"kind": "noop"}] * min(10000, n - start))
+            spool.enqueue_many([job] * min(10000, n - start))
         start = time.perf_counter()
         ran = spool.work(handlers={"noop": _noop}, signals=False)
         seconds = time.perf_counter() - start
         assert ran == n, (ran, n)
         note = "no-op handlers, in-process, -j 1"
+        if timeout is not None:
+            note = "no-op handlers with a timeout: each in a forked child, -j 1"
         return self.add(Figure(name, n, seconds, baseline="bare_claim", note=note))
 
     def drain_true(self, n: int, jobs: int) -> Figure:
@@ -294,6 +297,10 @@ def run(spool_path: str, jobs: int, fsync: bool, sections: tuple[str, ...] = SEC
         if "drain" in sections:
             bench.bare_claim(jobs)
             bench.drain_handlers(jobs)
+            forked = bench.drain_handlers(min(jobs, 5000), name="drain_handlers_forked", timeout=60)
+            inline = bench.figures["drain_handlers"]
+            forked.extra["fork_cost_us"] = round(forked.us_per_job - inline.us_per_job, 1)
+            bench.say(f"cost of the timeout-capable (fork) model: {forked.us_per_job - inline.us_per_job:,.0f} us per job")
         if "true" in sections:
             m = true_jobs or min(jobs, 2000)
             bench.bare_true(m)

@@ -139,9 +139,18 @@ def enqueue(ctx, args, use_argv, kind, payload, job_json, jsonl, job_id, max_att
       spoolq enqueue --argv -- convert in.png out.jpg
       spoolq enqueue --kind send_email --payload '{"to": "a@example.com"}'
       spoolq enqueue --json '{"command": "true", "max_attempts": 3}'
+      spoolq enqueue '{"command": "true"}'     (one JSON object: the same as --json)
       spoolq enqueue --jsonl jobs.jsonl
     """
     spool = _spool(ctx)
+    if len(args) == 1 and not use_argv and job_json is None and args[0].lstrip().startswith("{"):
+        # queuectl style: `spoolq enqueue '{"command": "sleep 2"}'`. A shell
+        # command that is also a JSON object is not a thing (`{ a; }` is not JSON).
+        try:
+            if isinstance(json.loads(args[0]), dict):
+                job_json, args = args[0], ()
+        except ValueError:
+            pass
     forms = [bool(args) and not use_argv, use_argv, kind is not None, job_json is not None, jsonl is not None]
     if sum(forms) != 1:
         fail("give exactly one of: a shell command, --argv -- PROG ARG..., --kind K, --json JSON, --jsonl FILE", 2)
@@ -377,6 +386,29 @@ def _retry(ctx, job_ids, all_):
             problems += 1
     if problems:
         sys.exit(1)
+
+
+@cli.group(cls=SpoolGroup)
+def dlq():
+    """The dead-letter queue (dead/), for queuectl users: list, retry."""
+
+
+@dlq.command(name="list")
+@click.option("--limit", type=click.IntRange(min=0), help="At most this many jobs.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON Lines.")
+@click.pass_context
+def dlq_list(ctx, limit, as_json):
+    """Dead jobs, oldest first (spoolq list --state dead)."""
+    ctx.invoke(list_, state="dead", limit=limit, since=None, as_json=as_json)
+
+
+@dlq.command(name="retry")
+@click.argument("job_ids", nargs=-1, metavar="ID...")
+@click.option("--all", "all_", is_flag=True, help="Every job in dead/.")
+@click.pass_context
+def dlq_retry(ctx, job_ids, all_):
+    """Dead jobs back to new/ with a fresh round (spoolq retry)."""
+    _retry(ctx, job_ids, all_)
 
 
 @cli.command()

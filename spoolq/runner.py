@@ -311,6 +311,7 @@ def fork_handler(
 ) -> Outcome:
     """Run a handler job in a forked child, killed if it runs over its timeout."""
     out = Outcome(start=time.time())
+    _load_prctl()
     result_fd = _memfd("spoolq-result")
     parent = os.getpid()
     before = procs.boot_ticks()
@@ -375,13 +376,24 @@ def fork_handler(
         os.close(result_fd)
 
 
+_prctl: Any = None
+
+
+def _load_prctl() -> None:
+    """Resolve prctl(2) in the parent, once: doing it in every forked child
+    cost ~0.8 ms per job here."""
+    global _prctl
+    if _prctl is None:
+        try:
+            import ctypes
+
+            _prctl = ctypes.CDLL(None, use_errno=True).prctl
+        except (OSError, AttributeError):
+            _prctl = False
+
+
 def _die_with_parent() -> None:
     """In a forked handler child: be killed if the worker dies (Linux)."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
+    if _prctl:
         PR_SET_PDEATHSIG = 1
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
+        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)

@@ -233,3 +233,24 @@ def test_purge_dead_clears_old_dead_jobs_into_the_index(fast_spool):
     assert s.show("garbage")["raw"] == "not json at all"
     assert s.status()["dead_purged"] == 2
     assert s.run("purge", "--older-than", "1d", check=False).returncode == 2  # --dead is required
+
+
+def test_the_readme_queries_run_on_a_real_index(fast_spool):
+    import re
+
+    from conftest import ROOT
+
+    s = fast_spool
+    s.enqueue("true")
+    s.enqueue("--max-attempts", "2", "--id", "twice", 'test "$SPOOLQ_ATTEMPT" = 2')
+    s.config("backoff_initial", 0)
+    s.work("-q")
+    s.run("compact")
+    queries = re.findall(r'sqlite3 (?:-box )?spool/index.db "(.*?)"', (ROOT / "README.md").read_text(), re.S)
+    assert len(queries) == 3
+    db = sqlite3.connect(s.path / "index.db")
+    results = [db.execute(q).fetchall() for q in queries]
+    db.close()
+    assert {r[0] for r in results[0]} == {"true", "test"}
+    assert len(results[1]) == 3
+    assert results[2] == [("twice", 2, "exit status 1")]
