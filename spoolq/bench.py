@@ -30,6 +30,7 @@ class Figure:
     baseline: str | None = None  # the name of the figure this one is a ratio to
     note: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    kind: str = "rate"  # "rate": jobs/s; "latency" and "time": see extra/note
 
     @property
     def rate(self) -> float:
@@ -88,9 +89,9 @@ class Bench:
 
     # -- baselines ---------------------------------------------------------
 
-    def bare_enqueue(self, n: int) -> Figure:
+    def bare_enqueue(self, n: int, name: str = "bare_enqueue") -> Figure:
         """tmp write (+ fsync) + rename (+ folder fsync): the floor of an enqueue."""
-        base = os.path.join(self.root, "bare-enqueue")
+        base = os.path.join(self.root, name)
         os.makedirs(os.path.join(base, "tmp"))
         os.makedirs(os.path.join(base, "new"))
         new_fd = os.open(os.path.join(base, "new"), os.O_RDONLY | os.O_DIRECTORY)
@@ -110,7 +111,7 @@ class Bench:
 
         seconds = self.loop("bare enqueue", n, body)
         os.close(new_fd)
-        return self.add(Figure("bare_enqueue", n, seconds, note="tmp write + rename" + (" + fsyncs" if fsync else "")))
+        return self.add(Figure(name, n, seconds, note="tmp write + rename" + (" + fsyncs" if fsync else "")))
 
     def bare_claim(self, n: int) -> Figure:
         """rename new -> cur + unlink: the floor of taking a job."""
@@ -231,11 +232,145 @@ class Bench:
         latencies.sort()
         p50 = latencies[len(latencies) // 2]
         p99 = latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))]
-        fig = Figure(f"pickup_{scope}_j{jobs}", n, sum(latencies),
+        fig = Figure(f"pickup_{scope}_j{jobs}", n, sum(latencies), kind="latency",
                      note=f"{'stock watchdog (claims stall events)' if scope == 'paired' else 'spoolq watch'}, -j {jobs}: "
                           f"p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms, max {latencies[-1] * 1000:.1f} ms")
         fig.extra.update(p50_ms=round(p50 * 1000, 2), p99_ms=round(p99 * 1000, 2), max_ms=round(latencies[-1] * 1000, 2))
         return self.add(fig)
+
+    def sqlite_queue(self, n: int, synchronous: str) -> tuple[Figure, Figure]:
+        """The SQLite-table queue of "Background Jobs Without a Job Queue":
+        one table, WAL, a partial index on pending rows, claim by UPDATE ...
+        WHERE id = (SELECT ... LIMIT 1) RETURNING, a commit per job."""
+        import sqlite3
+
+        path = os.path.join(self.root, f"sqlite-{synchronous.lower()}.db")
+        db = sqlite3.connect(path, isolation_level=None)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute(f"PRAGMA synchronous={synchronous}")
+        db.execute("""CREATE TABLE jobs (id INTEGER PRIMARY KEY, kind TEXT NOT NULL, payload TEXT NOT NULL,
+                      status TEXT NOT NULL DEFAULT 'pending', run_at REAL NOT NULL, attempts INTEGER NOT NULL DEFAULT 0,
+                      result TEXT, error TEXT, created_at REAL NOT NULL, updated_at REAL)""")
+        db.execute("CREATE INDEX jobs_pending ON jobs (run_at) WHERE status = 'pending'")
+
+        def enqueue(i: int) -> None:
+            now = time.time()
+            db.execute("BEGIN IMMEDIATE")
+            db.execute("INSERT INTO jobs (kind, payload, run_at, created_at) VALUES (?, ?, ?, ?)", ("noop", "{}", now, now))
+            db.execute("COMMIT")
+
+        enq = self.loop(f"sqlite {synchronous} enqueue", n, enqueue)
+        done = 0
+        start = time.perf_counter()
+        while True:
+            now = time.time()
+            db.execute("BEGIN IMMEDIATE")
+            row = db.execute(
+                "UPDATE jobs SET status = 'running', attempts = attempts + 1, updated_at = ? WHERE id = "
+                "(SELECT id FROM jobs WHERE status = 'pending' AND run_at <= ? ORDER BY run_at LIMIT 1) "
+                "RETURNING id, kind, payload", (now, now)).fetchone()
+            db.execute("COMMIT")
+            if row is None:
+                break
+            _noop(json.loads(row[2]))
+            db.execute("BEGIN IMMEDIATE")
+            db.execute("UPDATE jobs SET status = 'done', result = ?, updated_at = ? WHERE id = ?", ("null", time.time(), row[0]))
+            db.execute("COMMIT")
+            done += 1
+        drain = time.perf_counter() - start
+        db.close()
+        tag = synchronous.lower()
+        a = self.add(Figure(f"sqlite_{tag}_enqueue", n, enq, note=f"SQLite-table queue, synchronous={synchronous}, commit per job"))
+        b = self.add(Figure(f"sqlite_{tag}_drain", done, drain, note=f"SQLite-table queue, synchronous={synchronous}: claim + complete per job"))
+        return a, b
+
+    def status_time(self, spool: Spool, label: str) -> Figure:
+        """`spoolq status --json` on a spool (the whole command, cold)."""
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            subprocess.run(SPOOLQ_CMD + ["-s", spool.path, "status", "--json"], capture_output=True, check=True)
+            times.append(time.perf_counter() - start)
+        st = spool.status()
+        waiting = st["new"] + st["failed"]
+        fig = Figure(f"status_{label}", 0, min(times), kind="time",
+                     note=f"spoolq status --json, {waiting:,} waiting, {st['compacted']:,} compacted: {min(times) * 1000:.0f} ms")
+        fig.extra.update(ms=round(min(times) * 1000, 1), waiting=waiting, compacted=st["compacted"])
+        return self.add(fig)
+
+    def cold_start(self, runs: int = 15) -> tuple[Figure, Figure]:
+        """A cold `spoolq enqueue` next to `python3 -c "import click"` (medians)."""
+        spool = self.fresh_spool("cold")
+
+        def median(cmd: list[str]) -> float:
+            times = []
+            for _ in range(runs):
+                start = time.perf_counter()
+                subprocess.run(cmd, capture_output=True, check=True)
+                times.append(time.perf_counter() - start)
+            return sorted(times)[len(times) // 2]
+
+        click_t = median([sys.executable, "-c", "import click"])
+        enq_t = median(SPOOLQ_CMD + ["-s", spool.path, "enqueue", "true"])
+        a = self.add(Figure("cold_import_click", 0, click_t, kind="time", note=f'python3 -c "import click": {click_t * 1000:.0f} ms'))
+        b = self.add(Figure("cold_enqueue", 0, enq_t, kind="time", baseline="cold_import_click",
+                            note=f"spoolq enqueue true, a fresh process: {enq_t * 1000:.0f} ms"))
+        return a, b
+
+    def scale(self, sizes: tuple[int, ...]) -> None:
+        """At each queue size: enqueue cost (the last 1,000 jobs in), status
+        time, and a whole drain in a separate `spoolq work` process (cost per
+        job and its peak RSS)."""
+        import resource
+
+        for size in sizes:
+            spool = self.fresh_spool(f"scale-{size}")
+            tail = min(1000, size)
+            for start in range(0, size - tail, 10000):
+                spool.enqueue_many([{"kind": "noop"}] * min(10000, size - tail - start))
+            t0 = time.perf_counter()
+            for _ in range(tail):
+                spool.enqueue(kind="noop")
+            enq = time.perf_counter() - t0
+            label = _short(size)
+            self.add(Figure(f"scale_enqueue_{label}", tail, enq, note=f"Spool.enqueue with {size - tail:,} already waiting"))
+            self.status_time(spool, label)
+            t0 = time.perf_counter()
+            proc = subprocess.run(SPOOLQ_CMD + ["-s", spool.path, "work", "-q", "--app", "spoolq.bench:NOOP_HANDLERS"],
+                                  check=True)
+            drain = time.perf_counter() - t0
+            rss_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+            fig = self.add(Figure(f"scale_drain_{label}", size, drain,
+                                  note=f"spoolq work (whole command) draining {size:,} no-op handler jobs; "
+                                       f"peak RSS of all drains so far {rss_mb:.0f} MB"))
+            fig.extra["peak_rss_mb"] = round(rss_mb, 1)
+            del proc
+        first = _short(sizes[0])
+        for kind in ("enqueue", "drain"):
+            base = self.figures[f"scale_{kind}_{first}"]
+            for size in sizes[1:]:
+                fig = self.figures[f"scale_{kind}_{_short(size)}"]
+                fig.extra["cost_ratio"] = round(fig.us_per_job / base.us_per_job, 3)
+                fig.note += f"; per-job cost {fig.us_per_job / base.us_per_job:.2f}x of {first}"
+
+    def used_filesystem(self, n: int) -> None:
+        """The same enqueues right after deleting ``n`` files (what compaction
+        does). On ext4 without a journal a freed inode is not reused for about
+        a minute and every create walks past the recently freed ones, so this
+        is the slow case there; on journaled ext4 or xfs it is like the rest."""
+        junk = os.path.join(self.root, "junk")
+        os.makedirs(junk)
+        for i in range(n):
+            with open(os.path.join(junk, str(i)), "wb") as f:
+                f.write(b"{}")
+        shutil.rmtree(junk)
+        m = min(n, 5000)
+        fig = self.bare_enqueue(m, name="bare_enqueue_used")
+        fig.note += f", just after deleting {n:,} files"
+        spool = self.fresh_spool("enqueue-used")
+        seconds = self.loop("enqueue (used)", m, lambda i: spool.enqueue(command="true"))
+        self.add(Figure("enqueue_used", m, seconds, baseline="bare_enqueue_used",
+                        note=f"Spool.enqueue, just after deleting {n:,} files"))
 
     # -- report ------------------------------------------------------------
 
@@ -245,8 +380,15 @@ class Bench:
             ratio = ""
             base = self.figures.get(fig.baseline) if fig.baseline else None
             if base is not None:
-                ratio = f"{fig.rate / base.rate:.2f}x {base.name}"
-            rows.append((fig.name, f"{fig.jobs:,}", f"{fig.rate:,.0f}", f"{fig.us_per_job:,.1f}", ratio, fig.note))
+                if fig.kind == "time":
+                    ratio = f"{fig.seconds / base.seconds:.2f}x the time of {base.name}"
+                else:
+                    ratio = f"{fig.rate / base.rate:.2f}x {base.name}"
+            if fig.kind == "rate":
+                rate, per = f"{fig.rate:,.0f}", f"{fig.us_per_job:,.1f}"
+            else:
+                rate, per = "", ""
+            rows.append((fig.name, f"{fig.jobs:,}" if fig.jobs else "", rate, per, ratio, fig.note))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = []
         for j, r in enumerate(rows):
@@ -272,7 +414,8 @@ def _noop(payload: Any) -> None:
     return None
 
 
-SECTIONS = ("enqueue", "drain", "true", "latency", "scale")
+SECTIONS = ("enqueue", "drain", "true", "latency", "sqlite", "status", "scale", "used")
+NOOP_HANDLERS = {"noop": lambda payload: None}  # for `spoolq work --app spoolq.bench:NOOP_HANDLERS`
 
 
 def _short(n: int) -> str:
@@ -282,7 +425,9 @@ def _short(n: int) -> str:
 def run(spool_path: str, jobs: int, fsync: bool, sections: tuple[str, ...] = SECTIONS, true_jobs: int | None = None,
         scale_sizes: tuple[int, ...] = (1000, 100000), latency_jobs: int = 1000, keep: bool = False,
         progress: bool = True) -> Bench:
-    """Run the chosen sections in a scratch folder inside ``spool_path``."""
+    """Run the chosen sections in a scratch folder inside ``spool_path``.
+    Nothing is deleted until the end: deletions slow down later creates on
+    some filesystems (the "used" section measures exactly that)."""
     os.makedirs(spool_path, exist_ok=True)
     root = os.path.join(spool_path, f".bench-{os.getpid()}")
     os.makedirs(root)
@@ -310,16 +455,29 @@ def run(spool_path: str, jobs: int, fsync: bool, sections: tuple[str, ...] = SEC
             for scope in ("new", "paired"):
                 for j in (1, 4):
                     bench.pickup_latency(latency_jobs, j, scope)
+        if "sqlite" in sections:
+            bench.sqlite_queue(jobs, "NORMAL")
+            bench.sqlite_queue(min(jobs, 5000), "FULL")
+            # The targets compare like with like: fsync off with NORMAL, on with FULL.
+            sync = "full" if fsync else "normal"
+            for mine, theirs in (("enqueue", f"sqlite_{sync}_enqueue"), ("enqueue_many", f"sqlite_{sync}_enqueue"),
+                                 ("drain_handlers", f"sqlite_{sync}_drain")):
+                if mine in bench.figures and theirs in bench.figures:
+                    fig, other = bench.figures[mine], bench.figures[theirs]
+                    fig.extra[f"vs_{theirs}"] = round(fig.rate / other.rate, 3)
+                    fig.note += f"; {fig.rate / other.rate:.2f}x {theirs}"
+        if "status" in sections:
+            spool = bench.fresh_spool("status")
+            for start in range(0, jobs, 10000):
+                spool.enqueue_many([{"kind": "noop"}] * min(10000, jobs - start))
+            bench.status_time(spool, _short(jobs))
+            bench.cold_start()
         if "scale" in sections:
-            # Draining 1,000 waiting jobs and draining 100 times as many: a flat
+            # At 1,000 waiting jobs and at 100 (or 1,000) times as many: a flat
             # cost per job means no operation lists a folder once per job.
-            for size in scale_sizes:
-                bench.drain_handlers(size, name=f"drain_{_short(size)}")
-            first = bench.figures[f"drain_{_short(scale_sizes[0])}"]
-            for size in scale_sizes[1:]:
-                fig = bench.figures[f"drain_{_short(size)}"]
-                fig.extra["cost_ratio"] = round(fig.us_per_job / first.us_per_job, 3)
-                bench.say(f"per-job drain cost at {size:,} waiting / at {scale_sizes[0]:,}: {fig.us_per_job / first.us_per_job:.2f}")
+            bench.scale(scale_sizes)
+        if "used" in sections:
+            bench.used_filesystem(max(jobs, 20000))
     finally:
         if not keep:
             shutil.rmtree(root, ignore_errors=True)

@@ -512,15 +512,16 @@ def config_set(ctx, key, value):
 @cli.command()
 @click.option("--jobs", "n", type=click.IntRange(min=1000), default=20000, show_default=True, help="Jobs per figure.")
 @click.option("--fsync/--no-fsync", default=None, help="Measure with fsync on or off (default: the spool's setting).")
-@click.option("--section", "sections", multiple=True, type=click.Choice(["enqueue", "drain", "true", "latency", "scale"]),
+@click.option("--section", "sections", multiple=True, type=click.Choice(["enqueue", "drain", "true", "latency", "sqlite", "status", "scale", "used"]),
               help="Only these sections (repeatable).")
 @click.option("--true-jobs", type=click.IntRange(min=10), help="Jobs for the `true` command drains (default min(jobs, 2000)).")
 @click.option("--scale", "scale_sizes", metavar="N,N,...", default="1000,100000", show_default=True,
               help="Queue sizes for the per-job cost comparison.")
+@click.option("--compare", type=click.Choice(["sqlite"]), help="Add the SQLite-table queue, measured in the same run.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.option("--keep", is_flag=True, help="Keep the scratch spools (for inspection).")
 @click.pass_context
-def bench(ctx, n, fsync, sections, true_jobs, scale_sizes, as_json, keep):
+def bench(ctx, n, fsync, sections, true_jobs, scale_sizes, compare, as_json, keep):
     """Measure this machine and filesystem: enqueue and drain rates next to
     bare-loop baselines. Runs in a scratch folder inside the spool, removed after."""
     from . import bench as benchmod
@@ -532,7 +533,10 @@ def bench(ctx, n, fsync, sections, true_jobs, scale_sizes, as_json, keep):
         sizes = tuple(int(x) for x in scale_sizes.split(","))
     except ValueError:
         fail(f"--scale takes sizes like 1000,100000, not {scale_sizes!r}", 2)
-    result = benchmod.run(spool.path, n, fsync, sections=tuple(sections) or benchmod.SECTIONS,
+    chosen = tuple(sections) or tuple(x for x in benchmod.SECTIONS if x != "sqlite")
+    if compare == "sqlite" and "sqlite" not in chosen:
+        chosen += ("sqlite",)
+    result = benchmod.run(spool.path, n, fsync, sections=chosen,
                           true_jobs=true_jobs, scale_sizes=sizes, keep=keep, progress=not as_json)
     click.echo(benchmod.report(result, as_json))
 
