@@ -23,8 +23,24 @@ from .spool import DuplicateId, Spool
 STATE_CHOICE = click.Choice(["new", "cur", "failed", "dead", "done"])
 
 
+def echo(text: str = "", **kw: Any) -> None:
+    """click.echo that cannot fail on a string UTF-8 cannot encode (a lone
+    surrogate from a job file): such characters are printed escaped."""
+    click.echo(text.encode("utf-8", "backslashreplace").decode("utf-8"), **kw)
+
+
+def dumps(obj: Any, **kw: Any) -> str:
+    """JSON for output: UTF-8 where possible, escaped where not."""
+    text = json.dumps(obj, ensure_ascii=False, **kw)
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return json.dumps(obj, ensure_ascii=True, **kw)
+
+
 def fail(message: str, code: int = 1) -> NoReturn:
-    click.echo(f"spoolq: {message}", err=True)
+    echo(f"spoolq: {message}", err=True)
     sys.exit(code)
 
 
@@ -113,7 +129,7 @@ def init(ctx, group):
     """Create the spool layout (idempotent)."""
     spool = _spool(ctx)
     spool.init(group=group)
-    click.echo(spool.path)
+    echo(spool.path)
 
 
 @cli.command(context_settings={"ignore_unknown_options": False})
@@ -188,7 +204,7 @@ def enqueue(ctx, args, use_argv, kind, payload, job_json, jsonl, job_id, max_att
             fail("--id cannot apply to many jobs; put an id in each line", 2)
         jobs = list(_read_jsonl(jsonl, options))
         for jid in spool.enqueue_many(jobs):
-            click.echo(jid)
+            echo(jid)
         return
     if job_json is not None:
         text = sys.stdin.read() if job_json == "-" else job_json
@@ -208,7 +224,7 @@ def enqueue(ctx, args, use_argv, kind, payload, job_json, jsonl, job_id, max_att
         if len(args) != 1:
             fail("give the shell command as one quoted argument, or use --argv -- PROG ARG...", 2)
         fields = {"command": args[0], **options}
-    click.echo(spool.enqueue_job(fields))
+    echo(spool.enqueue_job(fields))
 
 
 def _read_jsonl(source: str, options: dict[str, Any]):
@@ -274,20 +290,20 @@ def status(ctx, as_json, prometheus):
     if prometheus:
         from .metrics import prometheus_text
 
-        click.echo(prometheus_text(spool), nl=False)
+        echo(prometheus_text(spool), nl=False)
         return
     counts = spool.status()
     if as_json:
-        click.echo(json.dumps(counts))
+        echo(json.dumps(counts))
         return
     for state in ("new", "cur", "failed", "dead"):
-        click.echo(f"{state:<8}{counts[state]:>10}")
-    click.echo(f"{'done':<8}{counts['done']:>10}  ({counts['done_files']} in done/, {counts['compacted']} compacted)")
+        echo(f"{state:<8}{counts[state]:>10}")
+    echo(f"{'done':<8}{counts['done']:>10}  ({counts['done_files']} in done/, {counts['compacted']} compacted)")
     workers = counts["workers"]
-    click.echo(f"{'workers':<8}{len(workers):>10}")
+    echo(f"{'workers':<8}{len(workers):>10}")
     for w in workers:
         running = ", ".join(w.get("jobs") or {}) or "idle"
-        click.echo(f"  {w.get('worker')}  pid {w.get('pid')}  since {w.get('started_at')}  running: {running}")
+        echo(f"  {w.get('worker')}  pid {w.get('pid')}  since {w.get('started_at')}  running: {running}")
 
 
 def _summary(job: dict[str, Any]) -> str:
@@ -313,7 +329,7 @@ def list_(ctx, state, limit, since, as_json):
     spool = _existing(ctx)
     since_ts = time.time() - since if since is not None else None
     for job in spool.list(state=state, limit=limit, since=since_ts):
-        click.echo(json.dumps(job, ensure_ascii=False) if as_json else _summary(job))
+        echo(dumps(job) if as_json else _summary(job))
 
 
 @cli.command()
@@ -327,19 +343,19 @@ def show(ctx, job_id, as_json):
     if job is None:
         fail(f"no job {job_id} in this spool", 1)
     if as_json:
-        click.echo(json.dumps(job, ensure_ascii=False, indent=2))
+        echo(dumps(job, indent=2))
         return
     for key, value in job.items():
         if key in ("stdout", "stderr") and isinstance(value, str):
-            click.echo(f"{key}:")
+            echo(f"{key}:")
             for line in value.rstrip("\n").splitlines():
-                click.echo(f"  | {line}")
+                echo(f"  | {line}")
         elif key == "history" and isinstance(value, list):
-            click.echo("history:")
+            echo("history:")
             for h in value:
-                click.echo("  - " + " ".join(f"{k}={v}" for k, v in h.items()) if isinstance(h, dict) else f"  - {h}")
+                echo("  - " + " ".join(f"{k}={v}" for k, v in h.items()) if isinstance(h, dict) else f"  - {h}")
         else:
-            click.echo(f"{key}: {value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)}")
+            echo(f"{key}: {value if isinstance(value, str) else dumps(value)}")
 
 
 @cli.command()
@@ -354,7 +370,7 @@ def cancel(ctx, job_id):
         spool.cancel(job_id, check=True)
     except (JobNotFound, NotPossible) as e:
         fail(str(e), 1)
-    click.echo(f"cancelled {job_id}")
+    echo(f"cancelled {job_id}")
 
 
 @cli.command()
@@ -374,15 +390,15 @@ def _retry(ctx, job_ids, all_):
         fail("give job ids or --all", 2)
     if all_:
         for jid in spool.retry_all():
-            click.echo(jid)
+            echo(jid)
         return
     problems = 0
     for jid in job_ids:
         try:
             spool.retry(jid, check=True)
-            click.echo(jid)
+            echo(jid)
         except (JobNotFound, NotPossible) as e:
-            click.echo(f"spoolq: {e}", err=True)
+            echo(f"spoolq: {e}", err=True)
             problems += 1
     if problems:
         sys.exit(1)
@@ -417,7 +433,7 @@ def sweep(ctx):
     """Recovery alone: return abandoned jobs from cur/, remove stale tmp/ files."""
     spool = _existing(ctx)
     r = spool.sweep()
-    click.echo(
+    echo(
         f"recovered {r.recovered} to failed/, {r.dead} to dead/, completed {r.completed}, "
         f"quarantined {r.quarantined}, killed {r.killed} processes, removed {r.tmp_removed} tmp/ files"
     )
@@ -431,9 +447,9 @@ def compact(ctx, keep, as_json):
     """Fold done/ into index.db and remove the files; drop old history."""
     result = _existing(ctx).compact(keep=keep)
     if as_json:
-        click.echo(json.dumps(result))
+        echo(json.dumps(result))
     else:
-        click.echo(f"folded {result['folded']} jobs into index.db in {result['seconds']}s, left {result['left']}, "
+        echo(f"folded {result['folded']} jobs into index.db in {result['seconds']}s, left {result['left']}, "
                    f"dropped {result['dropped']} old rows, removed {result['tmp_removed']} tmp/ files")
 
 
@@ -445,7 +461,7 @@ def compact(ctx, keep, as_json):
 def purge(ctx, dead, older_than):
     """Clear dead jobs into index.db (a deliberate act; compact never touches dead/)."""
     result = _existing(ctx).purge_dead(older_than)
-    click.echo(f"purged {result['purged']} dead jobs into index.db, left {result['left']}")
+    echo(f"purged {result['purged']} dead jobs into index.db, left {result['left']}")
 
 
 def _fmt_seconds(v: Any) -> str:
@@ -464,7 +480,7 @@ def stats(ctx, since, as_json):
     """Finished jobs, throughput, wait (due to start) and run time per kind or program."""
     result = _existing(ctx).stats(since=time.time() - since if since is not None else None)
     if as_json:
-        click.echo(json.dumps(result))
+        echo(json.dumps(result))
         return
     header = ("group", "jobs", "ok", "failed runs", "dead", "cancelled", "jobs/s", "wait p50", "wait p95", "wait max",
               "run p50", "run p95", "run max")
@@ -475,7 +491,7 @@ def stats(ctx, since, as_json):
                      *(_fmt_seconds(g[k]) for k in ("wait_p50", "wait_p95", "wait_max", "run_p50", "run_p95", "run_max"))))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     for r in rows:
-        click.echo("  ".join(c.ljust(widths[i]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(r)))
+        echo("  ".join(c.ljust(widths[i]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(r)))
 
 
 @cli.group(name="config", cls=SpoolGroup)
@@ -488,7 +504,7 @@ def config_group():
 def config_list(ctx):
     """Every setting with its value."""
     for key, value in _spool(ctx).config_list().items():
-        click.echo(f"{key} = {json.dumps(value)}")
+        echo(f"{key} = {json.dumps(value)}")
 
 
 @config_group.command(name="get")
@@ -496,7 +512,7 @@ def config_list(ctx):
 @click.pass_context
 def config_get(ctx, key):
     """One setting's value."""
-    click.echo(json.dumps(_spool(ctx).config_get(key)))
+    echo(json.dumps(_spool(ctx).config_get(key)))
 
 
 @config_group.command(name="set", context_settings={"ignore_unknown_options": True})
@@ -506,7 +522,7 @@ def config_get(ctx, key):
 def config_set(ctx, key, value):
     """Store a setting (validated)."""
     stored = _spool(ctx).config_set(key, value)
-    click.echo(f"{key} = {json.dumps(stored)}")
+    echo(f"{key} = {json.dumps(stored)}")
 
 
 @cli.command()
@@ -538,7 +554,7 @@ def bench(ctx, n, fsync, sections, true_jobs, scale_sizes, compare, as_json, kee
         chosen += ("sqlite",)
     result = benchmod.run(spool.path, n, fsync, sections=chosen,
                           true_jobs=true_jobs, scale_sizes=sizes, keep=keep, progress=not as_json)
-    click.echo(benchmod.report(result, as_json))
+    echo(benchmod.report(result, as_json))
 
 
 def main() -> None:

@@ -94,16 +94,20 @@ def find_run_processes(worker_id: str, pgid: int | None, spawn_window: tuple[int
     for pid in pids:
         if pid != me:
             desc = _describe(pid)
-            if desc is not None and desc[0] not in ("Z", "X"):
+            if desc is not None:
                 table[pid] = desc
+    # The group counts only while its leader (alive or a zombie: either way
+    # it pins the id) is the process spawned in the recorded window. Without
+    # a leader the id may have been reused by an unrelated group whose own
+    # leader is gone, so then only SPOOLQ_WORKER marks a process as ours.
     group_is_ours = False
-    if pgid is not None and spawn_window is not None:
+    if pgid is not None and pgid > 1 and spawn_window is not None:
         leader = table.get(pgid)
-        if leader is None:
-            group_is_ours = True
-        else:
+        if leader is not None:
             group_is_ours = leader[1] == pgid and spawn_window[0] <= leader[2] <= spawn_window[1]
     for pid, (state, proc_pgid, started) in table.items():
+        if state in ("Z", "X"):
+            continue
         if (group_is_ours and proc_pgid == pgid and started >= spawn_window[0]) or _has_env(pid, needle):
             found.append((pid, started))
     return found
@@ -137,8 +141,8 @@ def kill_run(worker_id: str, worker_boot: str, pgid: int | None, spawn_window: t
     """Kill every process left from a dead worker's run; return how many.
 
     Nothing is killed when the worker ran in an earlier boot (its processes
-    died with that boot)."""
-    if worker_boot and worker_boot != boot_id():
+    died with that boot) or when its boot is unknown."""
+    if not worker_boot or worker_boot != boot_id():
         return 0
     killed = 0
     for _ in range(50):  # a process may fork while we kill; repeat until none is left

@@ -64,6 +64,33 @@ class Exists(Exception):
 
 
 # --------------------------------------------------------------------------
+# lock descriptors and fork
+
+# Every descriptor through which this process holds a flock. A forked child
+# (a handler with a timeout, or anything a handler forks) shares those locks
+# until it closes its copies; if it outlived the worker, the worker's jobs
+# would look alive. So every fork closes them in the child.
+_held_fds: set[int] = set()
+
+
+def _close_held(fd: int) -> None:
+    _held_fds.discard(fd)
+    os.close(fd)
+
+
+def _close_held_in_child() -> None:
+    for fd in list(_held_fds):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _held_fds.clear()
+
+
+os.register_at_fork(after_in_child=_close_held_in_child)
+
+
+# --------------------------------------------------------------------------
 # ids and names
 
 
@@ -231,11 +258,13 @@ class SpoolDir:
         self.shared = False  # a group-shared spool: files 0660, folders 0770+setgid
         self._seq = 0
         self._spares: list[tuple[str, int]] = []  # locked dot-files in cur/ to rewrite into
+        self._retired: list[tuple[str, int]] = []  # old inodes waiting for a sync before reuse
         # Folders renamed into/out of whose fsync was deferred (group commit):
         # destinations are synced before sources, so a power cut can leave a
         # job in two folders (run again) but never in none.
         self._unsynced_dst: set[str] = set()
         self._unsynced_src: set[str] = set()
+        self.unsynced_since = 0.0  # monotonic time of the oldest deferred change
 
     # -- layout ------------------------------------------------------------
 
@@ -346,19 +375,32 @@ class SpoolDir:
     # -- spare files: durable rewrites without creating or freeing inodes --
 
     def take_spare(self) -> tuple[str, int] | None:
-        """A locked, empty-able file in cur/ under a dot-name (ignored by
-        everyone), to write a record into and swap in. Creates one when none
-        is left; None where RENAME_EXCHANGE is not available."""
+        """A locked file in cur/ under a dot-name (ignored by everyone), to
+        write a record into and swap in. Creates one when none is left (in
+        tmp/, locked, then renamed into cur/, so it is never seen unlocked);
+        None where RENAME_EXCHANGE is not available or creating fails."""
         if not _exchange_ok or _renameat2_state == -1:
             return None
         with self._open_lock:
             if self._spares:
                 return self._spares.pop()
-        name = "." + self.tmp_name("spare")
-        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, self.file_mode, dir_fd=self.fd("cur"))
-        if self.shared:
-            os.fchmod(fd, self.file_mode)
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        tmp_dir = self.fd("tmp")
+        tmp = self.tmp_name("spare")
+        try:
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, self.file_mode, dir_fd=tmp_dir)
+        except OSError:
+            return None
+        name = ".spare." + tmp[len("spare."):]
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if self.shared:
+                os.fchmod(fd, self.file_mode)
+            os.rename(tmp, name, src_dir_fd=tmp_dir, dst_dir_fd=self.fd("cur"))
+        except OSError:
+            os.close(fd)
+            _unlink_quietly(tmp_dir, tmp)
+            return None
+        _held_fds.add(fd)
         return name, fd
 
     def give_spare(self, name: str, fd: int) -> None:
@@ -366,20 +408,41 @@ class SpoolDir:
             if len(self._spares) < 64:
                 self._spares.append((name, fd))
                 return
+        self._discard_spare(name, fd)
+
+    def _discard_spare(self, name: str, fd: int) -> None:
         _unlink_quietly(self.fd("cur"), name)
-        os.close(fd)
+        _close_held(fd)
+
+    def retire_inode(self, name: str, fd: int) -> None:
+        """An old record's inode, now under a spare name in cur/, to reuse.
+        With fsync on it may only be overwritten once the folders that named
+        it are synced (else a power cut could leave its old name pointing at
+        another job's record): it waits for ``sync_deferred``."""
+        if not self.fsync:
+            self.give_spare(name, fd)
+            return
+        with self._open_lock:
+            if len(self._retired) < 256:
+                if not self.has_deferred:
+                    self.unsynced_since = time.monotonic()
+                self._retired.append((name, fd))
+                return
+        self._discard_spare(name, fd)
 
     def drop_spares(self) -> None:
         """Remove this process's spare files (a clean exit)."""
         with self._open_lock:
-            spares, self._spares = self._spares, []
+            spares, self._spares = self._spares + self._retired, []
+            self._retired = []
         for name, fd in spares:
             if self._fds:
                 _unlink_quietly(self._fds["cur"], name)
-            os.close(fd)
+            _close_held(fd)
 
     def remove_stale_spares(self) -> int:
-        """Remove spare files that dead processes left in cur/."""
+        """Remove spare files that dead processes left in cur/, and the
+        half-made registrations (dot-files) a crash can leave in workers/."""
         removed = 0
         with os.scandir(self.fd("cur")) as it:
             names = [e.name for e in it if e.name.startswith(".spare.")]
@@ -387,6 +450,14 @@ class SpoolDir:
             if self.is_locked("cur", name) is False:
                 _unlink_quietly(self.fd("cur"), name)
                 removed += 1
+        if "workers" in self._fds:
+            old = time.time() - 60
+            with os.scandir(self.fd("workers")) as it:
+                stale = [e.name for e in it if e.name.startswith(".") and e.stat(follow_symlinks=False).st_mtime < old]
+            for name in stale:
+                if self.is_locked("workers", name) is False:
+                    _unlink_quietly(self.fd("workers"), name)
+                    removed += 1
         return removed
 
     @property
@@ -402,16 +473,32 @@ class SpoolDir:
         with self._open_lock:
             dst, src = self._unsynced_dst, self._unsynced_src
             self._unsynced_dst, self._unsynced_src = set(), set()
-        for folder in sorted(dst):
-            os.fsync(self.fd(folder))
-        for folder in sorted(src - dst):
-            os.fsync(self.fd(folder))
-        for folder in sorted(src & dst):
-            os.fsync(self.fd(folder))
+        with self._open_lock:
+            retired, self._retired = self._retired, []
+        try:
+            for folder in sorted(dst):
+                os.fsync(self.fd(folder))
+            for folder in sorted(src - dst):
+                os.fsync(self.fd(folder))
+            for folder in sorted(src & dst):
+                os.fsync(self.fd(folder))
+            if retired:
+                # A retired inode was named in new/ or failed/ (until its claim)
+                # and in cur/ (until the exchange): once those folders are on
+                # disk it is named nowhere else, and may be overwritten.
+                for folder in ("new", "failed", "cur"):
+                    if folder not in src and folder not in dst:
+                        os.fsync(self.fd(folder))
+        except BaseException:
+            for name, fd in retired:
+                self._discard_spare(name, fd)
+            raise
+        for name, fd in retired:
+            self.give_spare(name, fd)
 
     @property
     def has_deferred(self) -> bool:
-        return bool(self._unsynced_dst or self._unsynced_src)
+        return bool(self._unsynced_dst or self._unsynced_src or self._retired)
 
     def tmp_name(self, base: str) -> str:
         """A name in tmp/ that no other writer uses."""
@@ -743,11 +830,12 @@ class Held:
         self.st = st  # as found when locked: owner, links, mtime (the due time)
         self.size = st.st_size  # the current size (it changes as we rewrite)
         self.writable = writable
+        _held_fds.add(fd)
 
     def read(self, limit: int) -> bytes:
         return _read_upto(self.fd, limit, self.size)
 
-    def rewrite(self, data: bytes, durable: bool = True) -> None:
+    def rewrite(self, data: bytes, durable: bool = True, mtime_ns: int | None = None) -> None:
         """Replace the file's content with ``data``, keeping the lock.
 
         With fsync off, a record that fits in one page is written in place:
@@ -761,7 +849,8 @@ class Held:
         old_size = self.size
         sync = self.spool.fsync and durable
         if (
-            self.writable
+            mtime_ns is None
+            and self.writable
             and not sync
             and self.st.st_nlink == 1
             and max(len(data), old_size) <= IN_PLACE_LIMIT
@@ -773,10 +862,11 @@ class Held:
             self.size = len(data)
             return
         sp = self.spool
-        if self.folder == "cur" and self._rewrite_by_exchange(data, sync):
+        if mtime_ns is None and self.folder == "cur" and self._rewrite_by_exchange(data, sync):
             return
+        # (With mtime_ns the new record and its mtime arrive in one rename.)
         tmp_dir = sp.fd("tmp")
-        tmp, fd = sp._write_tmp(self.name, data, None)
+        tmp, fd = sp._write_tmp(self.name, data, mtime_ns)
         try:
             if sync:
                 os.fsync(fd)
@@ -786,7 +876,8 @@ class Held:
             os.close(fd)
             _unlink_quietly(tmp_dir, tmp)
             raise
-        os.close(self.fd)  # the old inode is gone from the folder; drop its lock
+        _close_held(self.fd)  # the old inode is gone from the folder; drop its lock
+        _held_fds.add(fd)
         self.fd = fd
         self.writable = True
         self.st = os.fstat(fd)
@@ -807,9 +898,12 @@ class Held:
         try:
             # Overwrite without truncating, padded with spaces to the old size
             # (JSON allows trailing white space): the blocks stay allocated, the
-            # size stays put, so fdatasync writes the data and nothing else.
+            # size stays put, so fdatasync writes the data and nothing else. A
+            # spare much larger than the record (after a big one) is cut down.
             size = os.fstat(fd).st_size
-            if len(data) < size:
+            if size > max(IN_PLACE_LIMIT, 2 * len(data)):
+                os.ftruncate(fd, len(data))
+            elif len(data) < size:
                 data = data + b" " * (size - len(data))
             _write_all_at(fd, data)
             if sync:
@@ -818,20 +912,23 @@ class Held:
                 sp.give_spare(name, fd)
                 return False
         except BaseException:
-            os.close(fd)
-            _unlink_quietly(cur, name)
+            sp._discard_spare(name, fd)
             raise
-        old_fd = self.fd
+        old_fd, old_writable = self.fd, self.writable
         self.fd = fd
         self.st = os.fstat(fd)
         self.size = len(data)
         self.writable = True
         old = os.fstat(old_fd)
-        if old.st_uid == os.geteuid() and old.st_nlink == 1 and stat.S_ISREG(old.st_mode):
-            sp.give_spare(name, old_fd)
-        else:  # someone else's file (or linked elsewhere): let it go
+        if old_writable and old.st_uid == os.geteuid() and old.st_nlink == 1 and stat.S_ISREG(old.st_mode):
+            try:
+                os.fchmod(old_fd, sp.file_mode)
+            except OSError:
+                pass
+            sp.retire_inode(name, old_fd)
+        else:  # someone else's file, read-only, or linked elsewhere: let it go
             _unlink_quietly(cur, name)
-            os.close(old_fd)
+            _close_held(old_fd)
         return True
 
     def unlink(self) -> None:
@@ -866,6 +963,8 @@ class Held:
         if sp.fsync:
             if defer_sync:
                 with sp._open_lock:
+                    if not sp.has_deferred:
+                        sp.unsynced_since = time.monotonic()
                     sp._unsynced_dst.add(to_folder)
                     sp._unsynced_src.add(self.folder)
             else:
@@ -878,7 +977,7 @@ class Held:
 
     def release(self) -> None:
         if self.fd >= 0:
-            os.close(self.fd)
+            _close_held(self.fd)
             self.fd = -1
 
 

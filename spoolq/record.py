@@ -18,6 +18,9 @@ from typing import Any
 
 from .protocol import id_problem
 
+MAX_EPOCH = 7258118400  # 2200-01-01T00:00:00Z: far later, mtimes in nanoseconds overflow 64 bits
+MAX_TIMEOUT = 10 * 365 * 86400  # ten years: beyond it select() and timers overflow
+
 PRODUCER_FIELDS = ("command", "argv", "kind", "payload", "id", "max_attempts", "timeout", "run_at", "env", "cwd")
 TARGETS = ("command", "argv", "kind")
 
@@ -56,8 +59,8 @@ def parse_time(value: Any) -> float:
     if isinstance(value, bool):
         raise ValueError("a time must be RFC 3339 or epoch seconds, not a boolean")
     if isinstance(value, (int, float)):
-        if not math.isfinite(value) or value < 0:
-            raise ValueError(f"{value!r} is not a valid epoch time")
+        if not math.isfinite(value) or value < 0 or value > MAX_EPOCH:
+            raise ValueError(f"{value!r} is not a valid epoch time (0 to {MAX_EPOCH})")
         return float(value)
     if isinstance(value, str):
         text = value.strip()
@@ -73,9 +76,10 @@ def parse_time(value: Any) -> float:
         from datetime import datetime  # only here: it costs a cold `spoolq enqueue` ~5 ms
 
         try:
-            return datetime.fromisoformat(text).timestamp()
-        except ValueError:
+            ts = datetime.fromisoformat(text).timestamp()
+        except (ValueError, OverflowError):
             raise ValueError(f"{value!r} is not a valid time") from None
+        return parse_time(ts)
     raise ValueError(f"a time must be RFC 3339 or epoch seconds, not {type(value).__name__}")
 
 
@@ -144,8 +148,8 @@ def validate(job: dict, name_id: str | None = None) -> None:
     ):
         raise InvalidJob(f"max_attempts must be an integer >= 1, not {max_attempts!r}")
     timeout = job.get("timeout")
-    if timeout is not None and (not _is_number(timeout) or timeout < 0):
-        raise InvalidJob(f"timeout must be a number of seconds >= 0, not {timeout!r}")
+    if timeout is not None and (not _is_number(timeout) or timeout < 0 or timeout > MAX_TIMEOUT):
+        raise InvalidJob(f"timeout must be a number of seconds from 0 to {MAX_TIMEOUT:g}, not {timeout!r}")
     if job.get("run_at") is not None:
         try:
             parse_time(job["run_at"])
@@ -214,11 +218,18 @@ def _json_type(v: Any) -> str:
 
 
 _encoder = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+_ascii_encoder = json.JSONEncoder(ensure_ascii=True, separators=(",", ":"))
 
 
 def dumps(job: dict) -> bytes:
-    """Serialise a record: one line of compact UTF-8 JSON."""
-    return (_encoder.encode(job) + "\n").encode("utf-8")
+    """Serialise a record: one line of compact UTF-8 JSON. A string that is
+    not valid Unicode (a lone surrogate, which JSON's \\u escapes allow) is
+    written escaped, so every record can be written and read back."""
+    text = _encoder.encode(job)
+    try:
+        return (text + "\n").encode("utf-8")
+    except UnicodeEncodeError:
+        return (_ascii_encoder.encode(job) + "\n").encode("ascii")
 
 
 def new_job(fields: dict, job_id: str, now: float) -> dict:

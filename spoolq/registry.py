@@ -118,12 +118,21 @@ class Registration:
         threading.Thread(target=loop, name="spoolq-registration", daemon=True).start()
 
     def close(self) -> None:
-        """Unregister (a clean exit)."""
+        """Unregister. If runs are still listed (the worker is failing, not
+        exiting cleanly) the file is kept, just unlocked: recovery needs it to
+        count those runs and kill what they left."""
         if self._stop_flusher is not None:
             self._stop_flusher.set()
         with self._lock:
             if self._held is not None:
-                self._held.unlink()
+                if self.jobs:
+                    try:
+                        self._save()
+                    except OSError:
+                        pass
+                    self._held.release()
+                else:
+                    self._held.unlink()
                 self._held = None
 
 
@@ -143,7 +152,7 @@ def read_all(spool: SpoolDir) -> list[dict[str, Any]]:
         try:
             data, _ = spool.read("workers", name, 1 << 20)
             info = json.loads(data)
-        except (OSError, ValueError, NotRegular):
+        except (OSError, ValueError, NotRegular, RecursionError):
             info = {"worker": name[:-5]}
         if not isinstance(info, dict):
             info = {"worker": name[:-5]}
@@ -170,10 +179,14 @@ class DeadRegistration:
         return jobs if isinstance(jobs, dict) else {}
 
     def kill_processes(self) -> int:
-        """Kill whatever the dead worker's runs left alive."""
+        """Kill whatever the dead worker's runs left alive: only for a worker
+        of this host (another host's, or another container's, pids are not
+        ours to see) and of this boot."""
         killed = 0
         worker_id = str(self.info.get("worker", ""))
         boot = str(self.info.get("boot_id", ""))
+        if self.info.get("host") != os.uname().nodename:
+            return 0
         for entry in self.jobs.values():
             if not isinstance(entry, dict):
                 continue
@@ -188,6 +201,14 @@ class DeadRegistration:
             killed += procs.kill_run(worker_id, boot, None, None)
         return killed
 
+    def forget(self, job_ids: set[str]) -> None:
+        """Drop the entries of runs that have been recovered, so a later
+        recovery does not act on them again."""
+        jobs = {k: v for k, v in self.jobs.items() if k not in job_ids}
+        if jobs != self.jobs:
+            self.info["jobs"] = jobs
+            self.held.rewrite((json.dumps(self.info, separators=(",", ":")) + "\n").encode(), durable=False)
+
     def remove(self) -> None:
         self.held.unlink()
 
@@ -195,11 +216,13 @@ class DeadRegistration:
         self.held.release()
 
 
-def take_dead(spool: SpoolDir, wait_for: set[str] = frozenset(), patience: float = 5.0) -> list[DeadRegistration]:
+def take_dead(spool: SpoolDir, wait_for: set[str] = frozenset(), patience: float = 5.0,
+              trusted: frozenset[int] | None = None) -> list[DeadRegistration]:
     """Lock the registrations of dead workers. A registration that is still
     locked but lists a job in ``wait_for`` (a ``cur/`` job we found unlocked)
     belongs to a worker that is dying right now: wait up to ``patience``
-    seconds for the kernel to finish releasing its locks."""
+    seconds for the kernel to finish releasing its locks. A registration
+    owned by a user not in ``trusted`` is ignored: it could name any process."""
     taken = []
     try:
         names = sorted(spool.names("workers"))
@@ -219,11 +242,14 @@ def take_dead(spool: SpoolDir, wait_for: set[str] = frozenset(), patience: float
                 break
             except (Gone, FileNotFoundError, NotRegular, OSError):
                 break
+            if trusted is not None and held.st.st_uid not in trusted:
+                held.release()
+                break
             try:
                 info = json.loads(held.read(1 << 20) or b"{}")
                 if not isinstance(info, dict):
                     info = {}
-            except ValueError:
+            except (ValueError, RecursionError):
                 info = {}
             taken.append(DeadRegistration(held, info))
             break
@@ -234,6 +260,6 @@ def _lists_any(spool: SpoolDir, name: str, job_ids: set[str]) -> bool:
     try:
         data, _ = spool.read("workers", name, 1 << 20)
         jobs = json.loads(data).get("jobs") or {}
-    except (OSError, ValueError, AttributeError, NotRegular):
+    except (OSError, ValueError, AttributeError, NotRegular, RecursionError):
         return False
     return any(j in jobs for j in job_ids)

@@ -142,17 +142,56 @@ def _wait_exit(pid: int, pidfd: int | None, timeout: float | None) -> bool:
         delay = min(delay * 2, 0.02)
 
 
-def _supervise(pid: int, limits: Limits, handle: RunHandle) -> bool:
-    """Wait for a child, enforcing the timeout on its process group.
-    Returns whether it timed out. The child is left for the caller to reap."""
+TRIM_EVERY = 0.25  # seconds between checks of how much output a running job captured
+TRIM_ABOVE = 1 << 20  # captured output beyond this (and 4x output_limit) is let go
+
+
+_fallocate: Any = None
+
+
+def _trim(fd: int, keep: int) -> None:
+    """Free all but the last ``keep`` bytes of a growing output file (punch
+    a hole; the size stays, reads of the hole give zeros), so a job that
+    writes gigabytes costs the worker only its tail in memory."""
+    global _fallocate
+    size = os.fstat(fd).st_size
+    if size <= max(TRIM_ABOVE, 4 * keep):
+        return
+    if _fallocate is None:
+        try:
+            import ctypes
+
+            func = ctypes.CDLL(None, use_errno=True).fallocate
+            func.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+            _fallocate = func
+        except (OSError, AttributeError):
+            _fallocate = False
+    if _fallocate:
+        length = (size - keep) & ~4095
+        _fallocate(fd, 0x01 | 0x02, 0, length)  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
+
+
+def _supervise(pid: int, limits: Limits, handle: RunHandle, outputs: tuple[int, ...] = (), keep: int = 0) -> bool:
+    """Wait for a child, enforcing the timeout on its process group and
+    keeping its captured output bounded. Returns whether it timed out. The
+    child is left for the caller to reap."""
     try:
         pidfd = os.pidfd_open(pid)
     except (AttributeError, OSError):
         pidfd = None
     try:
-        timeout = limits.timeout if limits.timeout > 0 else None
-        if _wait_exit(pid, pidfd, timeout):
-            return False
+        deadline = time.monotonic() + limits.timeout if limits.timeout > 0 else None
+        while True:
+            wait = TRIM_EVERY if outputs else None
+            if deadline is not None:
+                left = max(0.0, deadline - time.monotonic())
+                wait = left if wait is None else min(wait, left)
+            if _wait_exit(pid, pidfd, wait):
+                return False
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+            for fd in outputs:
+                _trim(fd, keep)
         with handle._lock:
             _killpg(pid, signal.SIGTERM)
         if not _wait_exit(pid, pidfd, limits.grace):
@@ -190,6 +229,11 @@ def run_process(
             stdin_fd = _memfd("spoolq-payload")
             os.write(stdin_fd, json.dumps(job["payload"], ensure_ascii=False).encode())
             os.lseek(stdin_fd, 0, os.SEEK_SET)
+        if handle.interrupted:  # told to stop before it started: do not start it
+            out.end = time.time()
+            out.error = "killed: the worker was told to stop now"
+            out.interrupted = True
+            return out
         before = procs.boot_ticks()
         try:
             proc = subprocess.Popen(
@@ -213,15 +257,21 @@ def run_process(
             return out
         handle.pid = proc.pid
         try:
-            on_spawn(proc.pid, (before, procs.boot_ticks()))
-        except Exception:
-            pass  # the registration is a safety net; the run goes on without it
-        if handle.interrupted:  # a kill arrived before the pid was known
-            handle.kill()
-        out.timed_out = _supervise(proc.pid, limits, handle)
+            try:
+                on_spawn(proc.pid, (before, procs.boot_ticks()))
+            except Exception:
+                pass  # the registration is a safety net; the run goes on without it
+            if handle.interrupted:  # a kill arrived before the pid was known
+                handle.kill()
+            out.timed_out = _supervise(proc.pid, limits, handle, (stdout_fd, stderr_fd), limits.output_limit)
+        except BaseException:
+            # Whatever went wrong here, leave nothing running behind us.
+            _killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
         with handle._lock:
+            handle._reaped = True  # before reaping: after it the group id may be reused
             code = proc.wait()
-            handle._reaped = True
         out.end = time.time()
         out.exit_code = code
         out.interrupted = handle.interrupted
@@ -324,6 +374,10 @@ def fork_handler(
                 _die_with_parent()
                 if os.getppid() != parent:  # the worker died before prctl took hold
                     os._exit(1)
+                # The worker's signal handlers are not this process's business:
+                # a timeout's SIGTERM must end the handler, not "stop a worker".
+                for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                    signal.signal(sig, signal.SIG_DFL)
                 child = Outcome(start=out.start)
                 _call_into(child, handler, job, limits)
                 report = {"error": child.error, "tb": child.stderr, "permanent": child.permanent}
@@ -336,19 +390,24 @@ def fork_handler(
                 os._exit(code)
         handle.pid = pid
         try:
-            os.setpgid(pid, pid)  # also here, so killpg works however early we need it
-        except OSError:
-            pass
-        try:
-            on_spawn(pid, (before, procs.boot_ticks()))
-        except Exception:
-            pass
-        if handle.interrupted:
-            handle.kill()
-        out.timed_out = _supervise(pid, limits, handle)
+            try:
+                os.setpgid(pid, pid)  # also here, so killpg works however early we need it
+            except OSError:
+                pass
+            try:
+                on_spawn(pid, (before, procs.boot_ticks()))
+            except Exception:
+                pass
+            if handle.interrupted:
+                handle.kill()
+            out.timed_out = _supervise(pid, limits, handle)
+        except BaseException:
+            _killpg(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise
         with handle._lock:
-            _, status = os.waitpid(pid, 0)
             handle._reaped = True
+            _, status = os.waitpid(pid, 0)
         out.end = time.time()
         out.interrupted = handle.interrupted
         size = os.fstat(result_fd).st_size

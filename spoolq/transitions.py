@@ -194,14 +194,13 @@ def claim(ctx: Context, entry: Entry, now_ns: int, on_quarantine: Callable[[str,
             # A file dropped by hand, seen for the first time.
             duplicate = _duplicate_of(ctx, job_id, entry)
             if duplicate:
-                # Renamed, so the id keeps meaning the job that had it first.
+                # Renamed, so the id keeps meaning the job that had it first;
+                # moved first and annotated after, so no crash leaves it runnable.
                 reason = f"duplicate id: a job {job_id} is already in {duplicate}"
-                job["state"] = "dead"
-                job["error"] = reason
                 new_name = duplicate_name(file_name(job_id))
-                job["id"] = id_of(new_name)
-                held.rewrite(record.dumps(job))
                 held.move("dead", new_name)
+                job.update(state="dead", error=reason, id=id_of(new_name))
+                held.rewrite(record.dumps(job))
                 held.release()
                 if on_quarantine:
                     on_quarantine(new_name, reason)
@@ -210,13 +209,14 @@ def claim(ctx: Context, entry: Entry, now_ns: int, on_quarantine: Callable[[str,
             run_at = job.get("run_at")
             if run_at is not None:
                 when = record.parse_time(run_at)
-                # Honour run_at once, by the mtime; from now on only the mtime counts.
+                # Honour run_at once, by the mtime; from now on only the mtime
+                # counts. The marked record and its mtime land in one rename.
                 job["state"] = "new"
-                held.rewrite(record.dumps(job))
                 if when * 1e9 > now_ns:
-                    held.set_mtime(int(when * 1e9))
+                    held.rewrite(record.dumps(job), mtime_ns=int(when * 1e9))
                     held.release()
                     return None
+                held.rewrite(record.dumps(job))
         if job.get("state") == "dead":
             # Moved back from dead/ by hand: a fresh round. Written down now,
             # so a crash during the run is counted against the new round.
@@ -230,11 +230,9 @@ def claim(ctx: Context, entry: Entry, now_ns: int, on_quarantine: Callable[[str,
         except Exists:
             reason = f"duplicate id: a job {job_id} is running"
             new_name = duplicate_name(file_name(job_id))
-            job["id"] = id_of(new_name)
-            job["state"] = "dead"
-            job["error"] = reason
-            held.rewrite(record.dumps(job))
             held.move("dead", new_name)
+            job.update(state="dead", error=reason, id=id_of(new_name))
+            held.rewrite(record.dumps(job))
             held.release()
             if on_quarantine:
                 on_quarantine(new_name, reason)
@@ -268,8 +266,11 @@ def _duplicate_of(ctx: Context, job_id: str, entry: Entry) -> str | None:
             return state + "/"
         except FileNotFoundError:
             continue
-    if ctx.index_has(job_id):
-        return "the index (a compacted job)"
+    try:
+        if ctx.index_has(job_id):
+            return "the index (a compacted job)"
+    except Exception:  # an unreadable index.db must not stop claims; it is history
+        pass
     return None
 
 
@@ -512,30 +513,36 @@ def recover(ctx: Context) -> RecoveryReport:
             except FileNotFoundError:
                 pass
     held_ids = {id_of(h.name) for h in held}
-    dead_workers = registry.take_dead(sp, wait_for=held_ids)
-    runs: dict[str, tuple[registry.DeadRegistration, dict]] = {}
-    for reg in dead_workers:
-        report.killed += reg.kill_processes()
-        for job_id, entry in reg.jobs.items():
-            if not isinstance(entry, dict) or not isinstance(entry.get("attempt"), int):
-                continue
-            # Two dead workers may both list a job (one entry stale): the
-            # latest attempt is the run that was interrupted.
-            if job_id not in runs or entry["attempt"] > runs[job_id][1]["attempt"]:
-                runs[job_id] = (reg, entry)
-    for h in held:
-        try:
+    dead_workers: list[registry.DeadRegistration] = []
+    try:
+        dead_workers = registry.take_dead(sp, wait_for=held_ids, trusted=ctx.trusted_uids)
+        runs: dict[str, tuple[registry.DeadRegistration, dict]] = {}
+        for reg in dead_workers:
+            report.killed += reg.kill_processes()
+            for job_id, entry in reg.jobs.items():
+                if not isinstance(entry, dict) or not isinstance(entry.get("attempt"), int):
+                    continue
+                # Two dead workers may both list a job (one entry stale): the
+                # latest attempt is the run that was interrupted.
+                if job_id not in runs or entry["attempt"] > runs[job_id][1]["attempt"]:
+                    runs[job_id] = (reg, entry)
+        for h in held:
             _recover_one(ctx, h, runs.get(id_of(h.name)), report)
-        finally:
+        for reg in dead_workers:
+            # Clear a registration only when none of its jobs is left in cur/
+            # for another recovery (which holds it right now) to handle; else
+            # just forget the runs recovered here.
+            if any(job_id not in held_ids and locate_in(sp, "cur", job_id) for job_id in reg.jobs):
+                reg.forget(held_ids)
+            else:
+                reg.remove()
+                report.workers += 1
+    finally:
+        # Whatever failed, hold nothing: a worker lives on after its recovery.
+        for h in held:
             h.release()
-    for reg in dead_workers:
-        # Clear a registration only when none of its jobs is left in cur/
-        # for another recovery (which holds it right now) to handle.
-        if any(job_id not in held_ids and locate_in(sp, "cur", job_id) for job_id in reg.jobs):
+        for reg in dead_workers:
             reg.release()
-        else:
-            reg.remove()
-            report.workers += 1
     return report
 
 
@@ -557,7 +564,8 @@ def _recover_one(ctx: Context, held: Held, run: tuple | None, report: RecoveryRe
     attempts = int(job.get("attempts") or 0)
     reg, entry = run if run else (None, None)
     run_attempt = entry.get("attempt") if entry and isinstance(entry.get("attempt"), int) else attempts + 1
-    if attempts >= run_attempt and job.get("state") in ("done", "failed", "dead"):
+    finished = job.get("state") in ("done", "dead")  # never claimed in that state: a recorded finish
+    if finished or (attempts >= run_attempt and job.get("state") == "failed"):
         # The run finished and was recorded; only the last rename was lost.
         due = time.time() if job["state"] == "failed" else None
         _write_and_move(held, job, job["state"], due)

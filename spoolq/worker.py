@@ -147,6 +147,8 @@ class Worker:
         self._finished_since_scan = 0
         self._stopping = False
         self._forced = False
+        self._stop_signals = 0
+        self._threads: list[threading.Thread] = []
         self._deadline: float | None = None
         self._lock = threading.RLock()  # re-entrant: the signal handler takes it too
         self._running: dict[int, RunHandle] = {}  # thread id -> the run it is doing
@@ -157,7 +159,7 @@ class Worker:
         # COMMIT_SECONDS wait for a sync.
         self._group_commit = jobs == 1
         self._uncommitted: list[tuple] = []
-        self._first_uncommitted = 0.0
+        self._commit_lock = threading.Lock()
         self._next_compact_ran = 0
         self._next_compact_time = 0.0
         self._base_env = dict(os.environ)
@@ -190,12 +192,16 @@ class Worker:
         if signum == signal.SIGHUP:
             self.reload()
             return
-        if not self._stopping:
-            self.log.line(f"worker={self._wid} signal={signal.Signals(signum).name} stopping: no more claims, running jobs finish", 1)
+        # Count first: Python may run a second signal's handler nested inside
+        # this one (in the middle of the log line below), and that one must
+        # know it is the second.
+        self._stop_signals += 1
+        if self._stop_signals == 1:
             self.stop()
+            self.log.line(f"worker={self._wid} signal={signal.Signals(signum).name} stopping: no more claims, running jobs finish", 1)
             return
-        self.log.line(f"worker={self._wid} signal={signal.Signals(signum).name} stopping now: running jobs are killed and go back to failed/", 0)
         self.stop(force=True)
+        self.log.line(f"worker={self._wid} signal={signal.Signals(signum).name} stopping now: running jobs are killed and go back to failed/", 0)
         handle = self._running.get(threading.main_thread().ident)
         if handle is not None and handle.inline:
             raise ForcedStop()
@@ -252,13 +258,18 @@ class Worker:
                     self.waker = Waker()
             self.waker.rescan_interval = self._rescan_interval()
             self.waker.start()
+            committer_stop = threading.Event()
+            threading.Thread(target=self._committer, args=(committer_stop,), name="spoolq-commit", daemon=True).start()
             if self.jobs > 1:
                 for i in range(self.jobs):
                     t = threading.Thread(target=self._slot, name=f"spoolq-slot-{i}", daemon=True)
                     t.start()
                     threads.append(t)
+                self._threads = threads
             self._dispatch()
         finally:
+            if "committer_stop" in locals():
+                committer_stop.set()
             for _ in threads:
                 self._handoff.put(None)
             for t in threads:
@@ -330,16 +341,14 @@ class Worker:
                 continue
             entry = entries[pos]
             pos += 1
-            if self._uncommitted and (
-                len(self._uncommitted) >= COMMIT_JOBS or time.monotonic() - self._first_uncommitted >= COMMIT_SECONDS
-            ):
+            if len(self._uncommitted) >= COMMIT_JOBS:
                 self._commit()
             if self.jobs > 1 and not self._acquire_slot():
                 break
             try:
                 claimed = transitions.claim(self.ctx, entry, time.time_ns(), self._on_quarantine)
-            except (OSError, SpoolError, ValueError) as e:
-                self.log.line(f"worker={self._wid} cannot claim {entry.state}/{entry.name}: {e}", 0)
+            except Exception as e:  # a claim never takes the worker down; the file stays put
+                self.log.line(f"worker={self._wid} cannot claim {entry.state}/{entry.name}: {type(e).__name__}: {e}", 0)
                 claimed = None
             if claimed is None:
                 if self.jobs > 1:
@@ -355,10 +364,10 @@ class Worker:
                 self._handoff.put(claimed)
         self._commit()
         # Let the running jobs end (killed ones too, after a second signal).
-        if self.jobs > 1:
-            for _ in range(self.jobs):
-                while not self._slot_free.acquire(timeout=0.2):
-                    pass
+        while self._active > 0 and any(t.is_alive() for t in self._threads):
+            self.waker.wait(0.2)
+            self.waker.clear()
+        self._commit()
 
     def _maybe_compact(self) -> None:
         """Fold done/ into the index when it holds more than compact_after
@@ -406,7 +415,10 @@ class Worker:
             claimed = self._handoff.get()
             if claimed is None:
                 return
-            self._execute(claimed)
+            try:
+                self._execute(claimed)
+            except BaseException as e:  # e.g. a ForcedStop delivered late: keep the slot alive
+                self.log.line(f"worker={self._wid} slot error: {type(e).__name__}: {e}", 0)
 
     def _on_quarantine(self, name: str, reason: str) -> None:
         self.log.line(f"worker={self._wid} job={name} outcome=dead state=dead error={_quote(reason)}", 0)
@@ -466,51 +478,67 @@ class Worker:
                 out = run_process(job, self._env(job, attempt), limits, handle, spawned)
         except ForcedStop:
             out = Outcome(start=time.time(), end=time.time(), error="killed: the worker was told to stop now", interrupted=True)
+        except Exception as e:  # spoolq's own failure to run it: a failed run, not a dead worker
+            out = Outcome(start=time.time(), end=time.time(), error=f"internal error running the job: {type(e).__name__}: {e}")
         finally:
             with self._lock:
                 self._running.pop(thread_id, None)
         defer = self._group_commit and self.spool.dir.fsync
         try:
             dest, due = transitions.finish(self.ctx, claimed, out, reg.worker_id, defer_sync=defer)
-        except (OSError, SpoolError) as e:
+        except (Exception, ForcedStop) as e:
+            # The job stays in cur/ and its registration entry stays too, so
+            # recovery knows which run it was; this worker claims no more.
             claimed.held.release()
             self.failed_to_record = True
             self._stopping = True
             self.log.line(
-                f"worker={self._wid} job={job_id} error={_quote(f'cannot record the outcome: {e}')} "
+                f"worker={self._wid} job={job_id} error={_quote(f'cannot record the outcome: {type(e).__name__}: {e}')} "
                 "it stays in cur/ for recovery; the worker stops claiming",
                 0,
             )
             return
-        finally:
-            try:
-                reg.job_ended(job_id)
-            except OSError:
-                pass
+        try:
+            reg.job_ended(job_id)
+        except OSError:
+            pass
         self.ran += 1
         if defer:
-            if not self._uncommitted:
-                self._first_uncommitted = time.monotonic()
-            self._uncommitted.append((job, out, attempt, dest, due))
+            with self._commit_lock:
+                self._uncommitted.append((job, out, attempt, dest, due))
         else:
             self._log_outcome(job, out, attempt, dest, due)
 
     def _commit(self) -> None:
-        """fsync the folders of the deferred finishes, then log them: an
-        outcome is durable before anyone is told about it."""
-        if not self._uncommitted and not self.spool.dir.has_deferred:
-            return
-        try:
-            self.spool.dir.sync_deferred()
-        except OSError as e:
-            self.failed_to_record = True
-            self._stopping = True
-            self.log.line(f"worker={self._wid} error={_quote(f'cannot sync finished jobs: {e}')} the worker stops claiming", 0)
-            self._uncommitted = []
-            return
-        pending, self._uncommitted = self._uncommitted, []
+        """fsync the folders of the deferred moves, then log the finishes
+        they cover: an outcome is durable before anyone is told about it.
+        Called by the dispatcher and by the committer thread."""
+        with self._commit_lock:
+            if not self._uncommitted and not self.spool.dir.has_deferred:
+                return
+            # Take the outcomes first: every one of them already has its moves
+            # in the deferred sets, which the sync below covers.
+            pending, self._uncommitted = self._uncommitted, []
+            try:
+                self.spool.dir.sync_deferred()
+            except OSError as e:
+                self.failed_to_record = True
+                self._stopping = True
+                self.log.line(f"worker={self._wid} error={_quote(f'cannot sync finished jobs: {e}')} the worker stops claiming", 0)
+                return
         for item in pending:
             self._log_outcome(*item)
+
+    def _committer(self, stop: threading.Event) -> None:
+        """Commit whatever has waited COMMIT_SECONDS, even while the next job
+        runs (a long job must not hold back the outcome of the one before)."""
+        while not stop.wait(COMMIT_SECONDS / 2):
+            sp = self.spool.dir
+            if sp.has_deferred and time.monotonic() - sp.unsynced_since >= COMMIT_SECONDS:
+                try:
+                    self._commit()
+                except Exception as e:
+                    self.log.line(f"worker={self._wid} commit failed: {e}", 0)
 
     def _env(self, job: dict, attempt: int) -> dict[str, str]:
         env = dict(self._base_env)

@@ -71,16 +71,59 @@ def test_recovery_never_kills_a_reused_pid(fast_spool, tmp_path):
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
         registration = {
-            "worker": "ghost.1.abcdef", "host": "ghost", "pid": 1, "boot_id": boot,
+            "worker": "ghost.1.abcdef", "host": os.uname().nodename, "pid": 1, "boot_id": boot,
             "jobs": {job_id: {"attempt": 1, "pgid": bystander.pid, "spawned": [1, 2]}},
         }
         (s.path / "workers" / "ghost.1.abcdef.json").write_text(json.dumps(registration))
-        s.run("sweep")
+        assert "killed 0 processes" in s.run("sweep").stdout
         assert s.where(job_id) == ["failed"]
         assert bystander.poll() is None and _alive(bystander.pid)
     finally:
         bystander.kill()
         bystander.wait()
+
+
+def test_registrations_of_other_hosts_or_untrusted_owners_kill_nothing(fast_spool, tmp_path):
+    s = fast_spool
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        boot = f.read().strip()
+    pidfile = tmp_path / "pid"
+    # A process that carries a worker id in its environment, as a job would.
+    victim = subprocess.Popen(["sh", "-c", f"echo $$ > {pidfile}; exec sleep 300"],
+                              env=dict(os.environ, SPOOLQ_WORKER="other.7.abcdef"), start_new_session=True)
+    try:
+        wait_for(lambda: pidfile.exists() and pidfile.read_text().strip(), what="the process to start")
+        for name, host in (("other.7.abcdef", "some-other-host"),):
+            reg = {"worker": name, "host": host, "pid": 7, "boot_id": boot, "jobs": {}}
+            (s.path / "workers" / f"{name}.json").write_text(json.dumps(reg))
+        assert "killed 0 processes" in s.run("sweep").stdout
+        assert victim.poll() is None
+        if os.geteuid() == 0:
+            import pwd
+
+            nobody = pwd.getpwnam("nobody")
+            reg = {"worker": "other.7.abcdef", "host": os.uname().nodename, "pid": 7, "boot_id": boot, "jobs": {}}
+            path = s.path / "workers" / "forged.json"
+            path.write_text(json.dumps(reg))
+            os.chown(path, nobody.pw_uid, nobody.pw_gid)
+            assert "killed 0 processes" in s.run("sweep").stdout
+            assert victim.poll() is None
+            os.chown(path, 0, 0)  # the same file from a trusted owner is acted on
+            assert "killed 1 processes" in s.run("sweep").stdout
+            victim.wait(timeout=10)
+    finally:
+        if victim.poll() is None:
+            victim.kill()
+        victim.wait()
+
+
+def test_a_junk_registration_does_not_stop_recovery(fast_spool):
+    s = fast_spool
+    (s.path / "workers" / "junk.json").write_text("[" * 200000)
+    job_id = s.enqueue("true")
+    s.work()
+    assert s.where(job_id) == ["done"]
+    assert s.run("status").returncode == 0
 
 
 def test_a_job_that_kills_its_worker_ends_in_dead(fast_spool, tmp_path):
@@ -212,3 +255,54 @@ def test_stale_tmp_files_are_removed_by_sweep(fast_spool):
     os.utime(old, (past, past))
     assert "removed 1 tmp/" in s.run("sweep").stdout
     assert not old.exists() and fresh.exists()
+
+
+def test_a_forked_handler_does_not_inherit_locks_or_signal_handlers(fast_spool, tmp_path):
+    """Regression (review): a handler child kept the worker's flocks (other
+    jobs looked running) and its SIGTERM handler (timeouts waited the grace)."""
+    s = fast_spool
+    s.config("timeout_grace", 20)
+    app = tmp_path / "slow_app.py"
+    marker = tmp_path / "started"
+    app.write_text(
+        "import pathlib, time\n"
+        f"def slow(p):\n    pathlib.Path({str(marker)!r}).touch()\n    time.sleep(300)\n"
+        "HANDLERS = {'slow': slow}\n"
+    )
+    slow = s.enqueue("--kind", "slow", "--timeout", "2", "--max-attempts", "1")
+    failing = s.enqueue("--max-attempts", "3", "exit 1")
+    log = open(tmp_path / "worker.log", "w")
+    worker = s.popen("work", "-j", "2", "--app", "slow_app:HANDLERS", cwd=str(tmp_path), stderr=log)
+    try:
+        wait_for(marker.exists, what="the handler to start")
+        wait_for(lambda: s.where(failing) == ["failed"], what="the failing job to fail once")
+        proc = s.run("cancel", failing, check=False)  # not held by the forked child
+        assert proc.returncode == 0, proc.stderr
+        started = time.monotonic()
+        worker.wait(timeout=60)
+        assert time.monotonic() - started < 15  # SIGTERM ended it; no 20 s grace
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+        log.close()
+    assert s.show(slow)["error"] == "timed out after 2s"
+    assert "stopping" not in (tmp_path / "worker.log").read_text()
+
+
+def test_a_long_next_job_does_not_hold_back_the_previous_outcome(spool, tmp_path):
+    """Regression (review): with group commit, an outcome waited for the next
+    job to end before being synced and logged."""
+    s = spool
+    first = s.enqueue("true")
+    started = tmp_path / "started"
+    s.enqueue(f"touch {started}; sleep 30")
+    log = open(tmp_path / "worker.log", "w")
+    worker = s.popen("work", stderr=log)
+    try:
+        wait_for(started.exists, what="the long job to start")
+        wait_for(lambda: f"job={first} outcome=succeeded" in (tmp_path / "worker.log").read_text(),
+                 timeout=10, what="the first outcome to be logged while the second runs")
+    finally:
+        worker.kill()
+        worker.wait()
+        log.close()

@@ -205,3 +205,39 @@ def test_a_state_folder_that_is_a_symlink_is_refused(tmp_path):
     os.symlink(elsewhere, s.path / "dead")
     proc = s.run("work", check=False)
     assert proc.returncode == 1 and "symlink" in proc.stderr
+
+
+def test_lone_surrogates_and_extreme_numbers_never_stop_the_spool(fast_spool, tmp_path):
+    """Regression (review): a lone surrogate made every later work and sweep
+    crash; huge run_at/timeout values overflowed clock calls."""
+    s = fast_spool
+    s.drop("surrogate.json", b'{"command": "echo hi", "note": "\\ud800"}')
+    s.drop("far-run-at.json", b'{"command": "true", "run_at": 1e300}')
+    s.drop("far-run-at2.json", b'{"command": "true", "run_at": 1e19}')
+    s.drop("huge-timeout.json", b'{"command": "true", "timeout": 1e10}')
+    s.drop("fine.json", b'{"command": "echo ok"}')
+    app = tmp_path / "surrogate_app.py"
+    app.write_text("HANDLERS = {'weird': lambda p: 'bad\\udcff name'}\n")
+    s.enqueue("--kind", "weird", "--id", "weird-result")
+    for cmd in (["work", "-j", "2", "--app", "surrogate_app:HANDLERS"], ["sweep"], ["work"]):
+        proc = s.run(*cmd, cwd=str(tmp_path), check=False)
+        assert proc.returncode == 0 and "Traceback" not in proc.stderr and "internal error" not in proc.stderr, proc.stderr
+    assert s.where("surrogate") == ["done"] and s.show("surrogate")["note"] == "\ud800"
+    assert s.where("fine") == ["done"]
+    assert s.show("weird-result")["result"] == "bad\udcff name"
+    for name in ("far-run-at", "far-run-at2", "huge-timeout"):
+        assert s.where(name) == ["dead"], name
+    assert "run_at" in s.show("far-run-at")["error"] and "timeout" in s.show("huge-timeout")["error"]
+
+
+def test_a_big_record_does_not_inflate_later_ones(spool):
+    """Regression (review): a recycled spare file kept the padded size of the
+    biggest record it ever held."""
+    s = spool
+    s.config("output_limit", 200000)
+    big = s.enqueue("head -c 150000 /dev/zero | tr '\\0' x")
+    small = [s.enqueue("true") for _ in range(3)]
+    s.work()
+    assert os.path.getsize(s.path / "done" / f"{big}.json") > 150000
+    for job_id in small:
+        assert os.path.getsize(s.path / "done" / f"{job_id}.json") < 8192
