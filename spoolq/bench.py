@@ -317,12 +317,19 @@ class Bench:
                             note=f"spoolq enqueue true, a fresh process: {enq_t * 1000:.0f} ms"))
         return a, b
 
-    def scale(self, sizes: tuple[int, ...]) -> None:
+    def scale(self, sizes: tuple[int, ...], with_history: bool = False) -> None:
         """At each queue size: enqueue cost (the last 1,000 jobs in), status
         time, and a whole drain in a separate `spoolq work` process (cost per
         job and its peak RSS)."""
         import resource
 
+        empty = self.fresh_spool("scale-empty")
+        starts = []
+        for _ in range(3):  # what a whole `spoolq work` costs with nothing to do
+            t0 = time.perf_counter()
+            subprocess.run(SPOOLQ_CMD + ["-s", empty.path, "work", "-q", "--app", "spoolq.bench:NOOP_HANDLERS"], check=True)
+            starts.append(time.perf_counter() - t0)
+        startup = min(starts)
         for size in sizes:
             spool = self.fresh_spool(f"scale-{size}")
             tail = min(1000, size)
@@ -336,15 +343,23 @@ class Bench:
             self.add(Figure(f"scale_enqueue_{label}", tail, enq, note=f"Spool.enqueue with {size - tail:,} already waiting"))
             self.status_time(spool, label)
             t0 = time.perf_counter()
+            spool.dir.scan(time.time_ns(), 100_000)
+            scan = time.perf_counter() - t0
+            self.add(Figure(f"scale_scan_{label}", size, scan, kind="time",
+                            note=f"one pass over new/ with {size:,} files (scandir + lstat, keep the first 100k): "
+                                 f"{scan * 1000:.0f} ms, {scan / size * 1e6:.1f} us per file"))
+            t0 = time.perf_counter()
             proc = subprocess.run(SPOOLQ_CMD + ["-s", spool.path, "work", "-q", "--app", "spoolq.bench:NOOP_HANDLERS"],
                                   check=True)
-            drain = time.perf_counter() - t0
+            drain = time.perf_counter() - t0 - startup
             rss_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
             fig = self.add(Figure(f"scale_drain_{label}", size, drain,
-                                  note=f"spoolq work (whole command) draining {size:,} no-op handler jobs; "
-                                       f"peak RSS of all drains so far {rss_mb:.0f} MB"))
+                                  note=f"spoolq work draining {size:,} no-op handler jobs (its {startup * 1000:.0f} ms start-up "
+                                       f"taken off); peak RSS of all drains so far {rss_mb:.0f} MB"))
             fig.extra["peak_rss_mb"] = round(rss_mb, 1)
             del proc
+            if with_history and size == sizes[-1]:
+                self.history_at(spool, size)
         first = _short(sizes[0])
         for kind in ("enqueue", "drain"):
             base = self.figures[f"scale_{kind}_{first}"]
@@ -352,6 +367,34 @@ class Bench:
                 fig = self.figures[f"scale_{kind}_{_short(size)}"]
                 fig.extra["cost_ratio"] = round(fig.us_per_job / base.us_per_job, 3)
                 fig.note += f"; per-job cost {fig.us_per_job / base.us_per_job:.2f}x of {first}"
+
+    def history_at(self, spool: Spool, finished: int) -> None:
+        """With ``finished`` jobs in done/: compact them (rate), then put
+        100,000 jobs in new/ (not due) and time `status` and `show` of a
+        compacted job, both as whole commands."""
+        ids = [n[:-5] for n in spool.dir.names("done")][:1]
+        t0 = time.perf_counter()
+        result = spool.compact()
+        took = time.perf_counter() - t0
+        self.add(Figure("compact", result["folded"], took, note=f"spoolq compact: {finished:,} done/ files into index.db"))
+        waiting = 100_000
+        later = time.time() + 86400
+        for start in range(0, waiting, 10000):
+            spool.enqueue_many([{"kind": "noop", "run_at": later}] * 10000)
+        self.status_time(spool, f"{_short(finished)}_compacted")
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            subprocess.run(SPOOLQ_CMD + ["-s", spool.path, "show", ids[0], "--json"], capture_output=True, check=True)
+            times.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for _ in range(100):
+            spool.get(ids[0])
+        inproc = (time.perf_counter() - t0) / 100
+        fig = self.add(Figure("show_compacted", 0, min(times), kind="time",
+                              note=f"spoolq show ID of a compacted job among {finished:,}: {min(times) * 1000:.0f} ms "
+                                   f"(whole command); Spool.get {inproc * 1000:.2f} ms"))
+        fig.extra.update(ms=round(min(times) * 1000, 1), get_ms=round(inproc * 1000, 3))
 
     def used_filesystem(self, n: int) -> None:
         """The same enqueues right after deleting ``n`` files (what compaction
@@ -414,7 +457,7 @@ def _noop(payload: Any) -> None:
     return None
 
 
-SECTIONS = ("enqueue", "drain", "true", "latency", "sqlite", "status", "scale", "used")
+SECTIONS = ("enqueue", "drain", "true", "latency", "sqlite", "status", "scale", "history", "used")
 NOOP_HANDLERS = {"noop": lambda payload: None}  # for `spoolq work --app spoolq.bench:NOOP_HANDLERS`
 
 
@@ -475,7 +518,7 @@ def run(spool_path: str, jobs: int, fsync: bool, sections: tuple[str, ...] = SEC
         if "scale" in sections:
             # At 1,000 waiting jobs and at 100 (or 1,000) times as many: a flat
             # cost per job means no operation lists a folder once per job.
-            bench.scale(scale_sizes)
+            bench.scale(scale_sizes, with_history="history" in sections)
         if "used" in sections:
             bench.used_filesystem(max(jobs, 20000))
     finally:

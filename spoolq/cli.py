@@ -528,7 +528,7 @@ def config_set(ctx, key, value):
 @cli.command()
 @click.option("--jobs", "n", type=click.IntRange(min=1000), default=20000, show_default=True, help="Jobs per figure.")
 @click.option("--fsync/--no-fsync", default=None, help="Measure with fsync on or off (default: the spool's setting).")
-@click.option("--section", "sections", multiple=True, type=click.Choice(["enqueue", "drain", "true", "latency", "sqlite", "status", "scale", "used"]),
+@click.option("--section", "sections", multiple=True, type=click.Choice(["enqueue", "drain", "true", "latency", "sqlite", "status", "scale", "history", "used"]),
               help="Only these sections (repeatable).")
 @click.option("--true-jobs", type=click.IntRange(min=10), help="Jobs for the `true` command drains (default min(jobs, 2000)).")
 @click.option("--scale", "scale_sizes", metavar="N,N,...", default="1000,100000", show_default=True,

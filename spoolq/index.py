@@ -185,27 +185,29 @@ class Index:
         under a ``.dup-`` id so neither is lost."""
         stored = []
         db = self.db
+        counts: dict[str, int] = {}
+        insert_job = f"INSERT OR IGNORE INTO jobs ({', '.join(JOB_COLUMNS)}) VALUES ({', '.join('?' * len(JOB_COLUMNS))})"
+        insert_runs = f"INSERT OR REPLACE INTO runs ({', '.join(RUN_COLUMNS)}) VALUES ({', '.join('?' * len(RUN_COLUMNS))})"
         db.execute("BEGIN IMMEDIATE")
         try:
             for job, state, finished_at in jobs:
-                existing = db.execute("SELECT record FROM jobs WHERE id = ?", (job["id"],)).fetchone()
-                if existing is not None:
-                    if json.loads(existing[0]) == job:
-                        stored.append(job["id"])
+                if db.execute(insert_job, job_row(job, state, finished_at)).rowcount == 0:
+                    existing = db.execute("SELECT record FROM jobs WHERE id = ?", (job["id"],)).fetchone()
+                    if existing is not None and json.loads(existing[0]) == job:
+                        stored.append(job["id"])  # stored by a compaction that crashed after its commit
                         continue
                     job = dict(job, id=id_of(duplicate_name(file_name(job["id"]))), duplicate_of=job["id"])
-                db.execute(f"INSERT INTO jobs ({', '.join(JOB_COLUMNS)}) VALUES ({', '.join('?' * len(JOB_COLUMNS))})",
-                           job_row(job, state, finished_at))
+                    db.execute(insert_job, job_row(job, state, finished_at))
                 runs = run_rows(job)
-                db.executemany(f"INSERT OR REPLACE INTO runs ({', '.join(RUN_COLUMNS)}) VALUES ({', '.join('?' * len(RUN_COLUMNS))})", runs)
-                self._bump(f"rows_{state}", 1)
-                if state == "done":
-                    self._bump(f"jobs_{job.get('outcome') or 'succeeded'}", 1)
-                else:
-                    self._bump("jobs_dead", 1)
-                self._bump("runs_succeeded", sum(1 for r in runs if r[10] is None))
-                self._bump("runs_failed", sum(1 for r in runs if r[10] is not None))
+                db.executemany(insert_runs, runs)
+                for name, n in ((f"rows_{state}", 1),
+                                (f"jobs_{job.get('outcome') or 'succeeded'}" if state == "done" else "jobs_dead", 1),
+                                ("runs_succeeded", sum(1 for r in runs if r[10] is None)),
+                                ("runs_failed", sum(1 for r in runs if r[10] is not None))):
+                    counts[name] = counts.get(name, 0) + n
                 stored.append(job["id"])
+            for name, n in counts.items():
+                self._bump(name, n)
             db.execute("COMMIT")
         except BaseException:
             db.execute("ROLLBACK")

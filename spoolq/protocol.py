@@ -70,7 +70,17 @@ class Exists(Exception):
 # (a handler with a timeout, or anything a handler forks) shares those locks
 # until it closes its copies; if it outlived the worker, the worker's jobs
 # would look alive. So every fork closes them in the child.
+# Files that will be locked are opened and recorded under _fd_lock, which
+# every fork takes first, so no fork can fall between the two.
 _held_fds: set[int] = set()
+_fd_lock = threading.Lock()
+
+
+def _open_held(name: str, flags: int, mode: int = 0o777, dir_fd: int | None = None) -> int:
+    with _fd_lock:
+        fd = os.open(name, flags, mode, dir_fd=dir_fd)
+        _held_fds.add(fd)
+    return fd
 
 
 def _close_held(fd: int) -> None:
@@ -78,7 +88,17 @@ def _close_held(fd: int) -> None:
     os.close(fd)
 
 
-def _close_held_in_child() -> None:
+def _before_fork() -> None:
+    _fd_lock.acquire()
+
+
+def _after_fork_in_parent() -> None:
+    _fd_lock.release()
+
+
+def _after_fork_in_child() -> None:
+    global _fd_lock
+    _fd_lock = threading.Lock()
     for fd in list(_held_fds):
         try:
             os.close(fd)
@@ -87,7 +107,7 @@ def _close_held_in_child() -> None:
     _held_fds.clear()
 
 
-os.register_at_fork(after_in_child=_close_held_in_child)
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
 
 
 # --------------------------------------------------------------------------
@@ -387,7 +407,7 @@ class SpoolDir:
         tmp_dir = self.fd("tmp")
         tmp = self.tmp_name("spare")
         try:
-            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, self.file_mode, dir_fd=tmp_dir)
+            fd = _open_held(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, self.file_mode, dir_fd=tmp_dir)
         except OSError:
             return None
         name = ".spare." + tmp[len("spare."):]
@@ -397,10 +417,9 @@ class SpoolDir:
                 os.fchmod(fd, self.file_mode)
             os.rename(tmp, name, src_dir_fd=tmp_dir, dst_dir_fd=self.fd("cur"))
         except OSError:
-            os.close(fd)
+            _close_held(fd)
             _unlink_quietly(tmp_dir, tmp)
             return None
-        _held_fds.add(fd)
         return name, fd
 
     def give_spare(self, name: str, fd: int) -> None:
@@ -513,7 +532,7 @@ class SpoolDir:
         """Write ``data`` to a fresh file in tmp/; return its tmp name and open fd."""
         tmp = self.tmp_name(name)
         tmp_dir = self.fd("tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, self.file_mode, dir_fd=tmp_dir)
+        fd = _open_held(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, self.file_mode, dir_fd=tmp_dir)
         try:
             if self.shared:
                 os.fchmod(fd, self.file_mode)  # the umask may have taken group bits away
@@ -522,7 +541,7 @@ class SpoolDir:
                 os.utime(fd, ns=(mtime_ns, mtime_ns))
             return tmp, fd
         except BaseException:
-            os.close(fd)
+            _close_held(fd)
             _unlink_quietly(tmp_dir, tmp)
             raise
 
@@ -537,7 +556,7 @@ class SpoolDir:
                 if self.fsync:
                     os.fsync(fd)
             finally:
-                os.close(fd)
+                _close_held(fd)
             rename_noreplace(tmp_dir, tmp, self.fd("new"), name)
         except BaseException:
             _unlink_quietly(tmp_dir, tmp)
@@ -559,7 +578,7 @@ class SpoolDir:
             for name, data, mtime_ns in items:
                 tmp, fd = self._write_tmp(name, data, mtime_ns)
                 written.append((tmp, name))
-                os.close(fd)
+                _close_held(fd)
             if self.fsync and written:
                 _syncfs(tmp_dir)
             new_dir = self.fd("new")
@@ -687,15 +706,15 @@ class SpoolDir:
         flags = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
         writable = True
         try:
-            fd = os.open(name, os.O_RDWR | flags, dir_fd=dir_fd)
+            fd = _open_held(name, os.O_RDWR | flags, dir_fd=dir_fd)
         except PermissionError:
-            fd = os.open(name, os.O_RDONLY | flags, dir_fd=dir_fd)
+            fd = _open_held(name, os.O_RDONLY | flags, dir_fd=dir_fd)
             writable = False
         except OSError as e:
             if e.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
                 raise NotRegular("special file") from None
             if e.errno == errno.EROFS:
-                fd = os.open(name, os.O_RDONLY | flags, dir_fd=dir_fd)
+                fd = _open_held(name, os.O_RDONLY | flags, dir_fd=dir_fd)
                 writable = False
             else:
                 raise
@@ -714,7 +733,7 @@ class SpoolDir:
             if (now.st_ino, now.st_dev) != (fst.st_ino, fst.st_dev):
                 raise Gone(name)
         except BaseException:
-            os.close(fd)
+            _close_held(fd)
             raise
         return Held(self, folder, name, fd, fst, writable)
 
@@ -767,13 +786,13 @@ class SpoolDir:
         view, so nobody ever sees it unlocked."""
         dir_fd = self.fd(folder)
         tmp = "." + self.tmp_name(name)
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dir_fd)
+        fd = _open_held(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dir_fd)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             _write_all(fd, data)
             rename_noreplace(dir_fd, tmp, dir_fd, name)
         except BaseException:
-            os.close(fd)
+            _close_held(fd)
             _unlink_quietly(dir_fd, tmp)
             raise
         return Held(self, folder, name, fd, os.fstat(fd), True)
@@ -782,7 +801,7 @@ class SpoolDir:
         """Whether someone holds ``folder/name`` (None if it is gone). Takes
         only a shared lock for an instant, so it never looks like an owner."""
         try:
-            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=self.fd(folder))
+            fd = _open_held(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=self.fd(folder))
         except FileNotFoundError:
             return None
         except OSError:
@@ -793,7 +812,7 @@ class SpoolDir:
         except BlockingIOError:
             return True
         finally:
-            os.close(fd)
+            _close_held(fd)
 
     def replace_file(self, folder: str | None, name: str, data: bytes, mode: int | None = None) -> None:
         """Atomically replace a small file (tmp + fsync + rename)."""
@@ -873,11 +892,10 @@ class Held:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.rename(tmp, self.name, src_dir_fd=tmp_dir, dst_dir_fd=sp.fd(self.folder))
         except BaseException:
-            os.close(fd)
+            _close_held(fd)
             _unlink_quietly(tmp_dir, tmp)
             raise
         _close_held(self.fd)  # the old inode is gone from the folder; drop its lock
-        _held_fds.add(fd)
         self.fd = fd
         self.writable = True
         self.st = os.fstat(fd)

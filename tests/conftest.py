@@ -55,7 +55,9 @@ class SpoolFixture:
         env = dict(os.environ)
         env.pop("SPOOLQ_DIR", None)
         env.update(kw.pop("env", {}) or {})
-        return subprocess.Popen(SPOOLQ + ["-s", str(self.path), *args], env=env, **kw)
+        proc = subprocess.Popen(SPOOLQ + ["-s", str(self.path), *args], env=env, **kw)
+        _started.append(proc)
+        return proc
 
     def enqueue(self, *args: str, **kw) -> str:
         return self.run("enqueue", *args, **kw).stdout.strip()
@@ -96,6 +98,21 @@ class SpoolFixture:
         target = self.path / folder / name
         os.rename(tmp, target)
         return target
+
+
+_started: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_stray_workers():
+    """Whatever a test started and did not stop (a failed assertion midway)
+    is killed, so no worker outlives its test."""
+    yield
+    while _started:
+        proc = _started.pop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 @pytest.fixture

@@ -306,3 +306,4 @@ def test_a_long_next_job_does_not_hold_back_the_previous_outcome(spool, tmp_path
         worker.kill()
         worker.wait()
         log.close()
+        s.run("sweep")  # and the orphaned sleep with it
