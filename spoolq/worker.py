@@ -288,8 +288,8 @@ class Worker:
             report = transitions.recover(self.ctx)
             removed = self.spool.dir.remove_tmp()
             self.spool.dir.remove_stale_spares()
-        except (OSError, SpoolError) as e:
-            self.log.line(f"worker={self._wid} recovery failed: {e}", 0)
+        except Exception as e:  # recovery failing must not keep jobs from running
+            self.log.line(f"worker={self._wid} recovery failed: {type(e).__name__}: {e}", 0)
             return
         if report.recovered or report.dead or report.completed or report.quarantined or report.killed:
             self.log.line(
