@@ -343,10 +343,12 @@ class Bench:
             self.add(Figure(f"scale_enqueue_{label}", tail, enq, note=f"Spool.enqueue with {size - tail:,} already waiting"))
             self.status_time(spool, label)
             t0 = time.perf_counter()
-            spool.dir.scan(time.time_ns(), 100_000)
+            from .worker import SCAN_LIMIT
+
+            spool.dir.scan(time.time_ns(), SCAN_LIMIT)
             scan = time.perf_counter() - t0
             self.add(Figure(f"scale_scan_{label}", size, scan, kind="time",
-                            note=f"one pass over new/ with {size:,} files (scandir + lstat, keep the first 100k): "
+                            note=f"one pass over new/ with {size:,} files (scandir + lstat, keep the first {SCAN_LIMIT // 1000}k): "
                                  f"{scan * 1000:.0f} ms, {scan / size * 1e6:.1f} us per file"))
             t0 = time.perf_counter()
             proc = subprocess.run(SPOOLQ_CMD + ["-s", spool.path, "work", "-q", "--app", "spoolq.bench:NOOP_HANDLERS"],
@@ -445,9 +447,13 @@ class Bench:
         for fig in self.figures.values():
             entry = {"jobs": fig.jobs, "seconds": round(fig.seconds, 6), "jobs_per_s": round(fig.rate, 1),
                      "us_per_job": round(fig.us_per_job, 2), "note": fig.note}
-            if fig.baseline and fig.baseline in self.figures:
+            base = self.figures.get(fig.baseline) if fig.baseline else None
+            if base is not None:
                 entry["baseline"] = fig.baseline
-                entry["ratio"] = round(fig.rate / self.figures[fig.baseline].rate, 3)
+                if fig.kind == "time":  # a ratio of times: lower is better
+                    entry["time_ratio"] = round(fig.seconds / base.seconds, 3) if base.seconds else None
+                else:
+                    entry["ratio"] = round(fig.rate / base.rate, 3) if base.rate else None
             entry.update(fig.extra)
             out[fig.name] = entry
         return out

@@ -660,7 +660,7 @@ class SpoolDir:
         due: list[Entry] = []
         next_due: int | None = None
         truncated = False
-        cap = 2 * limit
+        cap = limit + limit // 4  # memory stays near `limit` entries whatever waits
         for state in states:
             dir_fd = self.fd(state)
             with os.scandir(dir_fd) as it:

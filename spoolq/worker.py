@@ -33,7 +33,9 @@ from .record import rfc3339
 from .registry import Registration
 from .runner import Limits, Outcome, RunHandle, call_handler, fork_handler, run_process
 
-SCAN_LIMIT = 100_000  # due entries kept per pass: bounds memory with a million files waiting
+# Due entries kept per pass: memory stays bounded (~50 MB) however many
+# files wait; a backlog larger than this takes a pass per SCAN_LIMIT jobs.
+SCAN_LIMIT = 200_000
 COMMIT_JOBS = 64  # group commit: at most this many finished jobs share one folder fsync ...
 COMMIT_SECONDS = 0.05  # ... and none waits longer than this for it
 COMPACT_CHECK_JOBS = 1000  # count done/ for auto-compaction after this many jobs ...
