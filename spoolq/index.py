@@ -14,7 +14,6 @@ The index is history only: it never decides where a waiting job is.
 from __future__ import annotations
 
 import json
-import os
 import sqlite3
 import time
 from typing import Any, Iterator

@@ -28,7 +28,7 @@ import time
 from typing import Any, Callable, TextIO
 
 from . import config, transitions
-from .protocol import Entry, SpoolError
+from .protocol import Entry
 from .record import rfc3339
 from .registry import Registration
 from .runner import Limits, Outcome, RunHandle, call_handler, fork_handler, run_process

@@ -3,10 +3,8 @@ CLI and from Python in two processes."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
-import sys
 import time
 
 import pytest

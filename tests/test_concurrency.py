@@ -47,6 +47,8 @@ def test_four_workers_run_each_of_1500_jobs_exactly_once(fast_spool, tmp_path):
     # Every job was run by one of the four workers, and all four took part.
     takers = collections.Counter(s.record("done", i)["history"][0]["worker"] for i in ids)
     assert len(takers) == 4
+    print(f"\nexactly once: {len(ids)} jobs, 4 workers x 2 slots, {sum(runs.values()) - len(ids)} duplicates, "
+          f"shares {sorted(takers.values())}")
 
 
 def test_cancel_retry_and_sweep_race_with_workers(fast_spool, tmp_path):
@@ -94,6 +96,8 @@ def test_cancel_retry_and_sweep_race_with_workers(fast_spool, tmp_path):
     _assert_each_job_in_exactly_one_folder(s, ids + ids2 + dead_ids)
     assert all(listed[j]["state"] == "dead" and listed[j]["attempts"] == 1 for j in dead_ids)
     assert cancelled, "the race never let a cancel through; the test proves nothing"
+    print(f"\nrace: 800 jobs, 2 workers, 120 concurrent cancels ({len(cancelled)} succeeded, none of them ran), "
+          f"20 retries, 3 sweeps; 0 duplicates, 0 lost")
 
 
 def test_chaos_kill_9_workers_during_a_drain(fast_spool, tmp_path):

@@ -11,7 +11,6 @@ import signal
 import sqlite3
 import time
 
-from conftest import wait_for
 
 
 def _rows(s) -> list[tuple[str, str]]:
