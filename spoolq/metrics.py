@@ -50,34 +50,32 @@ def collect(spool: Any) -> dict[str, Any]:
     }
 
 
+def _family(name: str, kind: str, help_text: str, samples: list[tuple[str, Any]]) -> list[str]:
+    """One metric family: HELP, TYPE, then a line per (extra labels, value)."""
+    lines = [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+    lines += [f"{name}{{{labels}}} {value}" for labels, value in samples]
+    return lines
+
+
 def prometheus_text(spool: Any) -> str:
     data = collect(spool)
-    label = f'spool="{_escape(spool.path)}"'
-    out = [
-        "# HELP spoolq_jobs Jobs in each state folder (done: files not yet compacted).",
-        "# TYPE spoolq_jobs gauge",
-    ]
-    out += [f'spoolq_jobs{{{label},state="{s}"}} {n}' for s, n in data["states"].items()]
-    out += [
-        "# HELP spoolq_jobs_compacted Finished jobs folded into index.db.",
-        "# TYPE spoolq_jobs_compacted gauge",
-        f"spoolq_jobs_compacted{{{label}}} {data['compacted']}",
-        "# HELP spoolq_oldest_due_job_age_seconds How long the oldest due job in new/ or failed/ has been due (0: none).",
-        "# TYPE spoolq_oldest_due_job_age_seconds gauge",
-        f"spoolq_oldest_due_job_age_seconds{{{label}}} {data['oldest_due_age']:.3f}",
-        "# HELP spoolq_workers Live workers on this spool.",
-        "# TYPE spoolq_workers gauge",
-        f"spoolq_workers{{{label}}} {len(data['workers'])}",
-        "# HELP spoolq_running_jobs Jobs the live workers are running.",
-        "# TYPE spoolq_running_jobs gauge",
-        f"spoolq_running_jobs{{{label}}} {sum(len(w.get('jobs') or {}) for w in data['workers'])}",
-        "# HELP spoolq_finished_jobs_total Jobs finished in done/ and index.db, by outcome.",
-        "# TYPE spoolq_finished_jobs_total counter",
-    ]
-    out += [f'spoolq_finished_jobs_total{{{label},outcome="{o}"}} {n}' for o, n in data["finished"].items()]
-    out += [
-        "# HELP spoolq_runs_total Runs of finished jobs, by result.",
-        "# TYPE spoolq_runs_total counter",
-    ]
-    out += [f'spoolq_runs_total{{{label},result="{r}"}} {n}' for r, n in data["runs"].items()]
+    spool_label = f'spool="{_escape(spool.path)}"'
+
+    def labelled(key: str, values: dict[str, Any]) -> list[tuple[str, Any]]:
+        return [(f'{spool_label},{key}="{k}"', v) for k, v in values.items()]
+
+    out: list[str] = []
+    out += _family("spoolq_jobs", "gauge", "Jobs in each state folder (done: files not yet compacted).",
+                   labelled("state", data["states"]))
+    out += _family("spoolq_jobs_compacted", "gauge", "Finished jobs folded into index.db.",
+                   [(spool_label, data["compacted"])])
+    out += _family("spoolq_oldest_due_job_age_seconds", "gauge",
+                   "How long the oldest due job in new/ or failed/ has been due (0: none).",
+                   [(spool_label, f"{data['oldest_due_age']:.3f}")])
+    out += _family("spoolq_workers", "gauge", "Live workers on this spool.", [(spool_label, len(data["workers"]))])
+    out += _family("spoolq_running_jobs", "gauge", "Jobs the live workers are running.",
+                   [(spool_label, sum(len(w.get("jobs") or {}) for w in data["workers"]))])
+    out += _family("spoolq_finished_jobs_total", "counter", "Jobs finished in done/ and index.db, by outcome.",
+                   labelled("outcome", data["finished"]))
+    out += _family("spoolq_runs_total", "counter", "Runs of finished jobs, by result.", labelled("result", data["runs"]))
     return "\n".join(out) + "\n"

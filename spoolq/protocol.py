@@ -598,14 +598,16 @@ class SpoolDir:
             self.sync_dir("new")
         return published
 
-    def present_in(self, name: str) -> str | None:
-        """The state folder that holds ``name``, if any (a quick stat each)."""
-        for state in STATES:
-            try:
-                os.stat(name, dir_fd=self.fd(state), follow_symlinks=False)
-                return state
-            except FileNotFoundError:
-                continue
+    def find(self, names: tuple[str, ...], states: tuple[str, ...] = STATES) -> tuple[str, str] | None:
+        """(state, name) of the first of ``names`` found in ``states``, in
+        that order (one stat each; nothing is listed)."""
+        for state in states:
+            for name in names:
+                try:
+                    os.stat(name, dir_fd=self.fd(state), follow_symlinks=False)
+                    return state, name
+                except FileNotFoundError:
+                    continue
         return None
 
     # -- reading -----------------------------------------------------------

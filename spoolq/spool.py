@@ -119,9 +119,9 @@ class Spool:
         return job_id, data, mtime_ns
 
     def _check_unique(self, job_id: str) -> None:
-        where = self.dir.present_in(file_name(job_id))
+        where = self.dir.find((file_name(job_id),))
         if where is not None:
-            raise DuplicateId(f"id {job_id} is already in {where}/")
+            raise DuplicateId(f"id {job_id} is already in {where[0]}/")
         if self._index_has(job_id):
             raise DuplicateId(f"id {job_id} is already in the index (a compacted job)")
 

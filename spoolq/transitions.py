@@ -258,14 +258,11 @@ def _quarantine_unheld(ctx, entry, reason, on_quarantine):
 
 def _duplicate_of(ctx: Context, job_id: str, entry: Entry) -> str | None:
     name = file_name(job_id)
-    for state in ("cur", "failed", "done", "dead", "new"):
-        if state == entry.state and name == entry.name:
-            continue
-        try:
-            ctx.spool.lstat(state, name)
-            return state + "/"
-        except FileNotFoundError:
-            continue
+    # Every folder but the file's own (unless it was dropped under another name).
+    states = tuple(st for st in ("cur", "failed", "done", "dead", "new") if (st, name) != (entry.state, entry.name))
+    found = ctx.spool.find((name,), states)
+    if found:
+        return found[0] + "/"
     try:
         if ctx.index_has(job_id):
             return "the index (a compacted job)"
@@ -383,14 +380,7 @@ def locate(ctx: Context, job_id: str) -> tuple[str, str] | None:
     """(state, file name) of a job's file, if it is in a state folder."""
     if id_problem(job_id):
         return None
-    for state in ("new", "cur", "failed", "dead", "done"):
-        for name in (file_name(job_id), job_id):
-            try:
-                ctx.spool.lstat(state, name)
-                return state, name
-            except FileNotFoundError:
-                continue
-    return None
+    return ctx.spool.find((file_name(job_id), job_id))
 
 
 def cancel(ctx: Context, job_id: str) -> None:
@@ -532,7 +522,7 @@ def recover(ctx: Context) -> RecoveryReport:
             # Clear a registration only when none of its jobs is left in cur/
             # for another recovery (which holds it right now) to handle; else
             # just forget the runs recovered here.
-            if any(job_id not in held_ids and locate_in(sp, "cur", job_id) for job_id in reg.jobs):
+            if any(job_id not in held_ids and sp.find((file_name(job_id),), ("cur",)) for job_id in reg.jobs):
                 reg.forget(held_ids)
             else:
                 reg.remove()
@@ -544,14 +534,6 @@ def recover(ctx: Context) -> RecoveryReport:
         for reg in dead_workers:
             reg.release()
     return report
-
-
-def locate_in(sp: SpoolDir, state: str, job_id: str) -> bool:
-    try:
-        sp.lstat(state, file_name(job_id))
-        return True
-    except FileNotFoundError:
-        return False
 
 
 def _recover_one(ctx: Context, held: Held, run: tuple | None, report: RecoveryReport) -> None:
