@@ -8,40 +8,17 @@ Errors are one line on stderr.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
-from typing import Any, NoReturn
+from typing import Any
 
 import click
 
-from . import config, record
-from .protocol import SpoolError
-from .record import InvalidJob
-from .spool import DuplicateId, Spool
+from . import output, record
+from .output import dumps, echo, fail
+from .spool import Spool
 
 STATE_CHOICE = click.Choice(["new", "cur", "failed", "dead", "done"])
-
-
-def echo(text: str = "", **kw: Any) -> None:
-    """click.echo that cannot fail on a string UTF-8 cannot encode (a lone
-    surrogate from a job file): such characters are printed escaped."""
-    click.echo(text.encode("utf-8", "backslashreplace").decode("utf-8"), **kw)
-
-
-def dumps(obj: Any, **kw: Any) -> str:
-    """JSON for output: UTF-8 where possible, escaped where not."""
-    text = json.dumps(obj, ensure_ascii=False, **kw)
-    try:
-        text.encode("utf-8")
-        return text
-    except UnicodeEncodeError:
-        return json.dumps(obj, ensure_ascii=True, **kw)
-
-
-def fail(message: str, code: int = 1) -> NoReturn:
-    echo(f"spoolq: {message}", err=True)
-    sys.exit(code)
 
 
 def _duration(ctx, param, value):
@@ -66,36 +43,10 @@ class SpoolGroup(click.Group):
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
-        except (InvalidJob, config.ConfigError) as e:
-            fail(str(e), 2)
-        except DuplicateId as e:
-            fail(str(e), 1)
-        except SpoolError as e:
-            fail(str(e), 1)
-        except BrokenPipeError:
-            # The reader went away (``spoolq list | head``): stop quietly.
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())
-            sys.exit(141)
-        except PermissionError as e:
-            fail(f"permission denied: {e.filename or e}", 1)
-        except OSError as e:
-            where = f": {e.filename}" if e.filename else ""
-            fail(f"{e.strerror or e}{where}", 1)
-        except KeyboardInterrupt:
-            fail("interrupted", 130)
-        except click.exceptions.Exit:
+        except (click.exceptions.Exit, click.ClickException):
             raise
-        except click.ClickException:
-            raise
-        except Exception as e:  # a bug or an unexpected state: still one line
-            if os.environ.get("SPOOLQ_DEBUG"):
-                raise
-            import sqlite3
-
-            if isinstance(e, sqlite3.Error):
-                fail(f"index.db: {e}", 1)
-            fail(f"internal error: {type(e).__name__}: {e} (SPOOLQ_DEBUG=1 shows the traceback)", 1)
+        except (Exception, KeyboardInterrupt) as e:
+            output.fail_for(e)
 
 
 @click.group(cls=SpoolGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -114,8 +65,7 @@ def _spool(ctx: click.Context) -> Spool:
 
 def _existing(ctx: click.Context) -> Spool:
     spool = _spool(ctx)
-    if not spool.dir.exists():
-        fail(f"no spool at {spool.path} (create it with 'spoolq init' or enqueue a job)", 1)
+    output.require_spool(spool)
     return spool
 
 
@@ -338,24 +288,7 @@ def list_(ctx, state, limit, since, as_json):
 @click.pass_context
 def show(ctx, job_id, as_json):
     """One job's record, wherever it is (compacted jobs included)."""
-    spool = _existing(ctx)
-    job = spool.get(job_id)
-    if job is None:
-        fail(f"no job {job_id} in this spool", 1)
-    if as_json:
-        echo(dumps(job, indent=2))
-        return
-    for key, value in job.items():
-        if key in ("stdout", "stderr") and isinstance(value, str):
-            echo(f"{key}:")
-            for line in value.rstrip("\n").splitlines():
-                echo(f"  | {line}")
-        elif key == "history" and isinstance(value, list):
-            echo("history:")
-            for h in value:
-                echo("  - " + " ".join(f"{k}={v}" for k, v in h.items()) if isinstance(h, dict) else f"  - {h}")
-        else:
-            echo(f"{key}: {value if isinstance(value, str) else dumps(value)}")
+    output.show(_spool(ctx), job_id, as_json)
 
 
 @cli.command()

@@ -253,8 +253,6 @@ class Spool:
 
     def _read_record(self, state: str, name: str, st: os.stat_result | None = None) -> dict[str, Any]:
         """A file's record as ``show`` prints it (invalid files included)."""
-        from .transitions import dead_reason
-
         job_id = id_of(name)
         limit = int(self.settings["max_job_bytes"])
         job: dict[str, Any]
@@ -264,9 +262,13 @@ class Spool:
         except (InvalidJob, NotRegular, OSError):
             job = None
         if job is None:
+            from .transitions import dead_reason
+
             reason = dead_reason(self.context(), state, name) or "unreadable"
             job = {"id": job_id, "error": reason, "valid": False}
         elif state == "dead" and job.get("error") is None:
+            from .transitions import dead_reason
+
             reason = dead_reason(self.context(), state, name)
             if reason:
                 job["error"] = reason
@@ -282,13 +284,11 @@ class Spool:
         """The job's record as a dict with ``state`` set from where it is
         (``new``, ``cur``, ``failed``, ``dead``, ``done``), compacted jobs
         included; None if there is no such job."""
-        from .transitions import locate
-
         self._open()
         if id_problem(job_id):
             return None
         for _ in range(3):  # the file may move between looking and reading
-            where = locate(self.context(), job_id)
+            where = self.dir.find((file_name(job_id), job_id))
             if where is None:
                 break
             state, name = where

@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 import os
 import stat
+import subprocess
+import sys
 import time
 
-from conftest import STATES, SpoolFixture
+from conftest import SPOOLQ, STATES, SpoolFixture
 
 
 def test_init_creates_private_layout_and_is_idempotent(tmp_path):
@@ -236,3 +238,56 @@ def test_list_pipe_closed_early_is_quiet(fast_spool):
                           capture_output=True, text=True)
     assert "Traceback" not in proc.stderr and "Broken pipe" not in proc.stderr
     assert len(proc.stdout.splitlines()) == 1
+
+
+def _via_click(*args: str, env: dict | None = None):
+    """The same command line parsed by the click CLI, not the quick path."""
+    code = "import sys; from spoolq.cli import main; sys.argv[0] = 'spoolq'; main()"
+    full_env = {k: v for k, v in os.environ.items() if k != "SPOOLQ_DIR"}
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=full_env, timeout=60)
+
+
+def test_plain_show_skips_click_and_prints_what_click_prints(fast_spool, tmp_path):
+    s = fast_spool
+    done = s.enqueue("printf 'line1\\nline2\\n'; echo oops >&2")
+    dead = s.enqueue("--max-attempts", "1", "exit 3")
+    s.work()
+    s.run("compact")  # `done` is now only in index.db
+    waiting = s.enqueue("--in", "1h", "--id", "later", "true")
+    (s.path / "new" / "broken.json").write_bytes(b"{not json")
+    (s.path / "new" / "moved.json").write_bytes(b'{"command": "true"}')
+    os.rename(s.path / "new" / "moved.json", s.path / "dead" / "moved.json")
+    spool = str(s.path)
+    lines = [
+        ["-s", spool, "show", job] for job in (done, dead, waiting, "broken", "moved")
+    ] + [
+        ["-s", spool, "show", done, "--json"],
+        ["-s", spool, "show", "--json", dead],
+        [f"--spool={spool}", "show", waiting],
+        [f"-s{spool}", "show", "broken", "--json"],
+        ["-s", spool, "show", "no-such-job"],
+        ["-s", spool, "show", "../etc"],
+        ["-s", str(tmp_path / "missing"), "show", done],
+    ]
+    for args in lines:
+        quick = subprocess.run(SPOOLQ + args, capture_output=True, text=True, timeout=60)
+        slow = _via_click(*args)
+        assert (quick.returncode, quick.stdout, quick.stderr) == (slow.returncode, slow.stdout, slow.stderr), args
+        assert "Traceback" not in quick.stderr
+    assert "compacted: true" in quick_show(s, done) and "  | line2" in quick_show(s, done)
+    # $SPOOLQ_DIR is honoured the same way.
+    env = {k: v for k, v in os.environ.items() if k != "SPOOLQ_DIR"} | {"SPOOLQ_DIR": spool}
+    quick = subprocess.run(SPOOLQ + ["show", dead], capture_output=True, text=True, env=env, timeout=60)
+    assert quick.returncode == 0 and quick.stdout == _via_click("show", dead, env={"SPOOLQ_DIR": spool}).stdout
+    # The quick path really does not import click; other forms still go through it.
+    importtime = subprocess.run([sys.executable, "-X", "importtime", "-m", "spoolq", "-s", spool, "show", done],
+                                capture_output=True, text=True, timeout=60)
+    assert importtime.returncode == 0 and "spoolq.index" in importtime.stderr
+    assert " click" not in importtime.stderr
+    usage = subprocess.run(SPOOLQ + ["-s", spool, "show", "--nope", done], capture_output=True, text=True, timeout=60)
+    assert usage.returncode == 2 and "No such option" in usage.stderr
+
+
+def quick_show(s: SpoolFixture, job_id: str) -> str:
+    return s.run("show", job_id).stdout

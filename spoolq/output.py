@@ -1,0 +1,102 @@
+"""What the command prints: lines, JSON, one-line errors, a job's record.
+
+Kept apart from ``cli`` and free of click so that the quick path in
+``entry`` (``spoolq show``, which scripts call in loops) prints exactly what
+the click command prints without paying for importing click.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any, NoReturn
+
+
+def echo(text: str = "", err: bool = False, nl: bool = True) -> None:
+    """Print a line, flushed. A string UTF-8 cannot encode (a lone
+    surrogate from a job file) is printed with that character escaped."""
+    stream = sys.stderr if err else sys.stdout
+    stream.write(text.encode("utf-8", "backslashreplace").decode("utf-8") + ("\n" if nl else ""))
+    stream.flush()
+
+
+def dumps(obj: Any, **kw: Any) -> str:
+    """JSON for output: UTF-8 where possible, escaped where not."""
+    text = json.dumps(obj, ensure_ascii=False, **kw)
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return json.dumps(obj, ensure_ascii=True, **kw)
+
+
+def fail(message: str, code: int = 1) -> NoReturn:
+    """``spoolq: message`` on stderr, then exit with ``code``."""
+    echo(f"spoolq: {message}", err=True)
+    sys.exit(code)
+
+
+def fail_for(error: BaseException) -> NoReturn:
+    """Exit with a one-line message for an exception from the core, or
+    re-raise it when it is not one the command knows how to describe.
+
+    1: the request could not be done; 2: invalid input or settings;
+    130: interrupted; 141: the reader of stdout went away."""
+    from . import config
+    from .protocol import SpoolError
+    from .record import InvalidJob
+    from .spool import DuplicateId
+
+    if isinstance(error, (InvalidJob, config.ConfigError)):
+        fail(str(error), 2)
+    if isinstance(error, (DuplicateId, SpoolError)):
+        fail(str(error), 1)
+    if isinstance(error, BrokenPipeError):
+        # The reader went away (``spoolq list | head``): stop quietly.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        sys.exit(141)
+    if isinstance(error, PermissionError):
+        fail(f"permission denied: {error.filename or error}", 1)
+    if isinstance(error, OSError):
+        where = f": {error.filename}" if error.filename else ""
+        fail(f"{error.strerror or error}{where}", 1)
+    if isinstance(error, KeyboardInterrupt):
+        fail("interrupted", 130)
+    if not isinstance(error, Exception) or os.environ.get("SPOOLQ_DEBUG"):
+        raise error
+    import sqlite3
+
+    if isinstance(error, sqlite3.Error):
+        fail(f"index.db: {error}", 1)
+    # A bug or an unexpected state: still one line.
+    fail(f"internal error: {type(error).__name__}: {error} (SPOOLQ_DEBUG=1 shows the traceback)", 1)
+
+
+def require_spool(spool) -> None:
+    """Exit 1 with a hint when the spool directory does not exist."""
+    if not spool.dir.exists():
+        fail(f"no spool at {spool.path} (create it with 'spoolq init' or enqueue a job)", 1)
+
+
+def show(spool, job_id: str, as_json: bool) -> None:
+    """``spoolq show``: one job's record, wherever it is, or exit 1."""
+    require_spool(spool)
+    job = spool.get(job_id)
+    if job is None:
+        fail(f"no job {job_id} in this spool", 1)
+    if as_json:
+        echo(dumps(job, indent=2))
+        return
+    for key, value in job.items():
+        if key in ("stdout", "stderr") and isinstance(value, str):
+            echo(f"{key}:")
+            for line in value.rstrip("\n").splitlines():
+                echo(f"  | {line}")
+        elif key == "history" and isinstance(value, list):
+            echo("history:")
+            for h in value:
+                echo("  - " + " ".join(f"{k}={v}" for k, v in h.items()) if isinstance(h, dict) else f"  - {h}")
+        else:
+            echo(f"{key}: {value if isinstance(value, str) else dumps(value)}")
