@@ -113,6 +113,83 @@ def _memfd(name: str) -> int:
         return fd
 
 
+def inheritable_fds() -> list[int]:
+    """This process's descriptors above 2 that a spawned job would inherit
+    (no close-on-exec flag): what ``spawn`` must close in the child. Python
+    opens everything close-on-exec; these come from whoever started us, or
+    from C code such as watchdog's inotify descriptor."""
+    found = []
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return found
+    for name in names:
+        fd = int(name)
+        if fd > 2:
+            try:
+                if os.get_inheritable(fd):
+                    found.append(fd)
+            except OSError:
+                pass  # the descriptor listdir itself used
+    return found
+
+
+class _Spawned:
+    """The part of Popen that ``run_process`` uses, for a posix_spawn child."""
+
+    __slots__ = ("pid",)
+
+    def __init__(self, pid: int):
+        self.pid = pid
+
+    def wait(self) -> int:
+        return os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+
+
+_devnull_fd: int | None = None
+
+
+def _spawn(argv: list[str], env: dict[str, str], cwd: str | None, fds: tuple[int, int, int],
+           close: list[int]):
+    """Start a job's process as the leader of a new session with ``fds`` as
+    its stdin, stdout and stderr, closing ``close`` and every close-on-exec
+    descriptor. posix_spawn (a vfork and exec, without Popen's Python-side
+    set-up) is ~0.1 ms cheaper per job here; Popen is the fallback for a
+    ``cwd``, which os.posix_spawn cannot set."""
+    if cwd is not None:
+        return subprocess.Popen(argv, stdin=fds[0], stdout=fds[1], stderr=fds[2], cwd=cwd, env=env,
+                                start_new_session=True, close_fds=True)
+    actions = [(os.POSIX_SPAWN_DUP2, fds[0], 0), (os.POSIX_SPAWN_DUP2, fds[1], 1), (os.POSIX_SPAWN_DUP2, fds[2], 2)]
+    actions += [(os.POSIX_SPAWN_CLOSE, fd) for fd in close if fd not in fds]
+    program = argv[0]
+    try:
+        if "/" in program:
+            return _Spawned(os.posix_spawn(program, argv, env, file_actions=actions, setsid=True))
+        if env.get("PATH") == os.environ.get("PATH"):
+            # The C library searches our PATH, which is the job's too.
+            return _Spawned(os.posix_spawnp(program, argv, env, file_actions=actions, setsid=True))
+    except OSError as e:
+        e.filename = e.filename or program
+        raise
+    # The job sets its own PATH: search it here, as Popen would.
+    error: OSError | None = None
+    for folder in os.get_exec_path(env):
+        try:
+            return _Spawned(os.posix_spawn(os.path.join(folder, program), argv, env, file_actions=actions, setsid=True))
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        except OSError as e:
+            error = error or e
+    raise error or FileNotFoundError(2, os.strerror(2), program)
+
+
+def _stdin_devnull() -> int:
+    global _devnull_fd
+    if _devnull_fd is None:
+        _devnull_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    return _devnull_fd
+
+
 def _tail(fd: int, limit: int) -> str:
     size = os.fstat(fd).st_size
     if limit <= 0 or size == 0:
@@ -171,7 +248,8 @@ def _trim(fd: int, keep: int) -> None:
         _fallocate(fd, 0x01 | 0x02, 0, length)  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
 
 
-def _supervise(pid: int, limits: Limits, handle: RunHandle, outputs: tuple[int, ...] = (), keep: int = 0) -> bool:
+def _supervise(pid: int, limits: Limits, handle: RunHandle, outputs: tuple[int, ...] = (), keep: int = 0,
+               on_slow: tuple[float, Callable[[], None]] | None = None) -> bool:
     """Wait for a child, enforcing the timeout on its process group and
     keeping its captured output bounded. Returns whether it timed out. The
     child is left for the caller to reap."""
@@ -181,6 +259,12 @@ def _supervise(pid: int, limits: Limits, handle: RunHandle, outputs: tuple[int, 
         pidfd = None
     try:
         deadline = time.monotonic() + limits.timeout if limits.timeout > 0 else None
+        if on_slow is not None:
+            slow_after, slow = on_slow
+            if deadline is not None:
+                slow_after = min(slow_after, limits.timeout)
+            if not _wait_exit(pid, pidfd, slow_after):
+                slow()
         while True:
             wait = TRIM_EVERY if outputs else None
             if deadline is not None:
@@ -214,8 +298,15 @@ def run_process(
     limits: Limits,
     handle: RunHandle,
     on_spawn: Callable[[int, tuple[int, int]], None],
+    close: list[int] | None = None,
+    on_slow: tuple[float, Callable[[], None]] | None = None,
 ) -> Outcome:
-    """Run a command or argv job to its end and report what happened."""
+    """Run a command or argv job to its end and report what happened.
+
+    ``close``: the descriptors the job must not inherit, if the caller knows
+    them already (see inheritable_fds); else they are looked up now.
+    ``on_slow`` = (seconds, callback): called once if the job is still
+    running after that long."""
     out = Outcome(start=time.time())
     if job.get("argv") is not None:
         argv = list(job["argv"])
@@ -236,16 +327,9 @@ def run_process(
             return out
         before = procs.boot_ticks()
         try:
-            proc = subprocess.Popen(
-                argv,
-                stdin=stdin_fd if stdin_fd is not None else subprocess.DEVNULL,
-                stdout=stdout_fd,
-                stderr=stderr_fd,
-                cwd=job.get("cwd"),
-                env=env,
-                start_new_session=True,
-                close_fds=True,
-            )
+            stdin = stdin_fd if stdin_fd is not None else _stdin_devnull()
+            proc = _spawn(argv, env, job.get("cwd"), (stdin, stdout_fd, stderr_fd),
+                          inheritable_fds() if close is None else close)
         except OSError as e:
             out.end = time.time()
             where = f": {e.filename}" if e.filename else ""
@@ -263,7 +347,7 @@ def run_process(
                 pass  # the registration is a safety net; the run goes on without it
             if handle.interrupted:  # a kill arrived before the pid was known
                 handle.kill()
-            out.timed_out = _supervise(proc.pid, limits, handle, (stdout_fd, stderr_fd), limits.output_limit)
+            out.timed_out = _supervise(proc.pid, limits, handle, (stdout_fd, stderr_fd), limits.output_limit, on_slow)
         except BaseException:
             # Whatever went wrong here, leave nothing running behind us.
             _killpg(proc.pid, signal.SIGKILL)
@@ -358,8 +442,10 @@ def fork_handler(
     limits: Limits,
     handle: RunHandle,
     on_spawn: Callable[[int, tuple[int, int]], None],
+    on_slow: tuple[float, Callable[[], None]] | None = None,
 ) -> Outcome:
-    """Run a handler job in a forked child, killed if it runs over its timeout."""
+    """Run a handler job in a forked child, killed if it runs over its
+    timeout. ``on_slow`` as for run_process."""
     out = Outcome(start=time.time())
     _load_prctl()
     result_fd = _memfd("spoolq-result")
@@ -400,7 +486,7 @@ def fork_handler(
                 pass
             if handle.interrupted:
                 handle.kill()
-            out.timed_out = _supervise(pid, limits, handle)
+            out.timed_out = _supervise(pid, limits, handle, on_slow=on_slow)
         except BaseException:
             _killpg(pid, signal.SIGKILL)
             os.waitpid(pid, 0)

@@ -87,7 +87,8 @@ def _user_name(uid: int) -> str:
 
 @dataclass
 class Claimed:
-    """A job this process holds in cur/ and is about to run."""
+    """A job this process holds and is about to run: locked in its waiting
+    folder once prepared, in cur/ once taken."""
 
     held: Held
     job: dict
@@ -162,6 +163,15 @@ def claim(ctx: Context, entry: Entry, now_ns: int, on_quarantine: Callable[[str,
     """Take one waiting file: lock it, check it is still due, validate it,
     and rename it into cur/. Returns None when the race was lost, the file
     is not due, or it was quarantined to dead/ (``on_quarantine(name, reason)``)."""
+    ready = prepare(ctx, entry, now_ns, on_quarantine)
+    return take(ctx, ready, now_ns, on_quarantine) if ready is not None else None
+
+
+def prepare(ctx: Context, entry: Entry, now_ns: int, on_quarantine: Callable[[str, str], None] | None = None) -> Claimed | None:
+    """All of a claim but the rename: lock the waiting file, check it is
+    due, validate it. The file stays where it is, held only by the lock, so
+    a crash (or ``held.release()``) leaves nothing to recover; other
+    workers skip it meanwhile. None as for ``claim``."""
     sp = ctx.spool
     try:
         held = sp.hold(entry.state, entry.name, mode=entry.mode)
@@ -223,6 +233,20 @@ def claim(ctx: Context, entry: Entry, now_ns: int, on_quarantine: Callable[[str,
             job["attempts"] = 0
             job["state"] = "new"
             held.rewrite(record.dumps(job))
+        return Claimed(held, job, job_id, due_ns, entry.state)
+    except BaseException:
+        held.release()
+        raise
+
+
+def take(ctx: Context, ready: Claimed, now_ns: int, on_quarantine: Callable[[str, str], None] | None = None) -> Claimed | None:
+    """Rename a prepared job into cur/: the claim itself. None (and the
+    lock let go) if it was postponed or moved away since it was prepared."""
+    held, job, job_id = ready.held, ready.job, ready.job_id
+    try:
+        if os.fstat(held.fd).st_mtime_ns > now_ns:  # `touch -d` since prepare()
+            held.release()
+            return None
         try:
             # Not synced now: a claim lost to a power cut only means the job
             # runs again. The folders are synced with the next group commit.
@@ -240,7 +264,7 @@ def claim(ctx: Context, entry: Entry, now_ns: int, on_quarantine: Callable[[str,
         except FileNotFoundError:
             held.release()
             return None
-        return Claimed(held, job, job_id, due_ns, entry.state)
+        return ready
     except BaseException:
         held.release()
         raise
@@ -386,10 +410,18 @@ def locate(ctx: Context, job_id: str) -> tuple[str, str] | None:
 def cancel(ctx: Context, job_id: str) -> None:
     """A waiting job (new/ or failed/) goes to done/ with outcome cancelled.
     Raises JobNotFound, or NotPossible for a running or finished job."""
-    try:
-        held = _find_held(ctx, job_id, ("new", "failed"))
-    except Busy:
-        raise NotPossible(f"job {job_id} is running (a worker holds it); it cannot be cancelled") from None
+    # A waiting file is locked only for a moment: while a worker claims it
+    # (then it is in cur/ and running) or prepares it ahead of the job it is
+    # running (then it is let go within LOOK_AHEAD_HOLD). Wait that out.
+    deadline = time.monotonic() + 1.0
+    while True:
+        try:
+            held = _find_held(ctx, job_id, ("new", "failed"))
+            break
+        except Busy:
+            if time.monotonic() > deadline:
+                raise NotPossible(f"job {job_id} is running (a worker holds it); it cannot be cancelled") from None
+            time.sleep(0.001)
     if held is None:
         where = locate(ctx, job_id)
         if where is None:

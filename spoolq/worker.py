@@ -31,13 +31,16 @@ from . import config, transitions
 from .protocol import Entry
 from .record import rfc3339
 from .registry import Registration
-from .runner import Limits, Outcome, RunHandle, call_handler, fork_handler, run_process
+from .runner import Limits, Outcome, RunHandle, call_handler, fork_handler, inheritable_fds, run_process
 
 # Due entries kept per pass: memory stays bounded (~50 MB) however many
 # files wait; a backlog larger than this takes a pass per SCAN_LIMIT jobs.
 SCAN_LIMIT = 200_000
 COMMIT_JOBS = 64  # group commit: at most this many finished jobs share one folder fsync ...
 COMMIT_SECONDS = 0.05  # ... and none waits longer than this for it
+# -j 1 prepares the next job while the current one's process runs; a job
+# still running after this long lets the next one go again.
+LOOK_AHEAD_HOLD = 0.005
 COMPACT_CHECK_JOBS = 1000  # count done/ for auto-compaction after this many jobs ...
 COMPACT_CHECK_SECONDS = 60.0  # ... or this long
 
@@ -162,6 +165,17 @@ class Worker:
         self._group_commit = jobs == 1
         self._uncommitted: list[tuple] = []
         self._commit_lock = threading.Lock()
+        # -j 1: the outcome of the last process job, recorded once the next
+        # job's process has started (see _run_one), or when the dispatcher
+        # pauses or stops.
+        self._unrecorded: tuple[transitions.Claimed, Outcome] | None = None
+        # -j 1: the next entry of the pass, prepared (locked and read, not
+        # yet renamed into cur/) while the current job's process runs.
+        self._pass: tuple[list[Entry], int] = ([], 0)
+        self._ahead: tuple[Entry, transitions.Claimed | None] | None = None
+        self._spawn_closes: list[int] = []
+        # (Tests lengthen the hold to catch a worker killed while it holds one.)
+        self._look_ahead_hold = float(os.environ.get("SPOOLQ_TEST_LOOK_AHEAD_HOLD") or LOOK_AHEAD_HOLD)
         self._next_compact_ran = 0
         self._next_compact_time = 0.0
         self._base_env = dict(os.environ)
@@ -260,6 +274,10 @@ class Worker:
                     self.waker = Waker()
             self.waker.rescan_interval = self._rescan_interval()
             self.waker.start()
+            # Jobs inherit stdin, stdout and stderr only: whatever else is
+            # open without close-on-exec now (from whoever started us, or
+            # watchdog's inotify descriptor) is closed in every job's process.
+            self._spawn_closes = inheritable_fds()
             committer_stop = threading.Event()
             threading.Thread(target=self._committer, args=(committer_stop,), name="spoolq-commit", daemon=True).start()
             if self.jobs > 1:
@@ -270,6 +288,10 @@ class Worker:
                 self._threads = threads
             self._dispatch()
         finally:
+            try:
+                self._record_unrecorded()  # also when the dispatcher failed
+            except Exception as e:
+                self.log.line(f"worker={self._wid} cannot record the last outcome: {e}", 0)
             if "committer_stop" in locals():
                 committer_stop.set()
             for _ in threads:
@@ -321,6 +343,7 @@ class Worker:
         first = True
         while self._may_claim():
             if pos >= len(entries):
+                self._record_unrecorded()  # before pausing, compacting or scanning
                 if not first and claimed_this_pass == 0 and self._finished_since_scan == 0:
                     # Nothing changed since the last look.
                     self._commit()
@@ -347,8 +370,14 @@ class Worker:
                 self._commit()
             if self.jobs > 1 and not self._acquire_slot():
                 break
+            ahead, self._ahead = self._ahead, None
             try:
-                claimed = transitions.claim(self.ctx, entry, time.time_ns(), self._on_quarantine)
+                if ahead is not None and ahead[0] is entry:
+                    ready = ahead[1]  # prepared while the last job ran
+                    claimed = transitions.take(self.ctx, ready, time.time_ns(), self._on_quarantine) if ready else None
+                else:
+                    self._let_go_ahead(ahead)
+                    claimed = transitions.claim(self.ctx, entry, time.time_ns(), self._on_quarantine)
             except Exception as e:  # a claim never takes the worker down; the file stays put
                 self.log.line(f"worker={self._wid} cannot claim {entry.state}/{entry.name}: {type(e).__name__}: {e}", 0)
                 claimed = None
@@ -361,9 +390,13 @@ class Worker:
             with self._lock:
                 self._active += 1
             if self.jobs == 1:
+                self._pass = (entries, pos)
                 self._execute(claimed)
             else:
                 self._handoff.put(claimed)
+        self._let_go_ahead(self._ahead)
+        self._ahead = None
+        self._record_unrecorded()
         self._commit()
         # Let the running jobs end (killed ones too, after a second signal).
         while self._active > 0 and any(t.is_alive() for t in self._threads):
@@ -460,9 +493,23 @@ class Worker:
             self.log.line(f"worker={self._wid} job={job_id} cannot register the run: {e}", 0)
         with self._lock:
             self._running[thread_id] = handle
+        if inline:
+            self._record_unrecorded()  # not held back while a handler runs
 
         def spawned(pid: int, window: tuple[int, int]) -> None:
             reg.job_spawned(job_id, pid, window)
+            # While this process starts up and runs, record the job before it
+            # and prepare the one after: with -j 1 that work then costs no
+            # time of its own.
+            self._record_unrecorded()
+            self._look_ahead()
+
+        def slow() -> None:
+            # A job that runs this long must not keep the next one locked.
+            ahead, self._ahead = self._ahead, None
+            self._let_go_ahead(ahead)
+
+        on_slow = (self._look_ahead_hold, slow) if self.jobs == 1 else None
 
         out: Outcome
         try:
@@ -475,9 +522,9 @@ class Worker:
                 elif inline:
                     out = call_handler(handler, job, limits, handle)
                 else:
-                    out = fork_handler(handler, job, limits, handle, spawned)
+                    out = fork_handler(handler, job, limits, handle, spawned, on_slow)
             else:
-                out = run_process(job, self._env(job, attempt), limits, handle, spawned)
+                out = run_process(job, self._env(job, attempt), limits, handle, spawned, self._spawn_closes, on_slow)
         except ForcedStop:
             out = Outcome(start=time.time(), end=time.time(), error="killed: the worker was told to stop now", interrupted=True)
         except Exception as e:  # spoolq's own failure to run it: a failed run, not a dead worker
@@ -485,6 +532,43 @@ class Worker:
         finally:
             with self._lock:
                 self._running.pop(thread_id, None)
+        self._record_unrecorded()
+        if self.jobs == 1 and not inline and not self._stopping:
+            self._unrecorded = (claimed, out)
+        else:
+            self._record(claimed, out)
+
+    def _look_ahead(self) -> None:
+        """-j 1: prepare the next entry of the pass (lock, read, validate;
+        see transitions.prepare) so that only its rename is left once the
+        running job ends. Nothing changes on disk, so a crash leaves nothing
+        to recover; a slow job lets it go after LOOK_AHEAD_HOLD."""
+        entries, pos = self._pass
+        if self.jobs != 1 or self._ahead is not None or pos >= len(entries) or not self._may_claim():
+            return
+        entry = entries[pos]
+        try:
+            ready = transitions.prepare(self.ctx, entry, time.time_ns(), self._on_quarantine)
+        except Exception:
+            return  # the dispatcher will claim it the usual way and say what failed
+        self._ahead = (entry, ready)
+
+    @staticmethod
+    def _let_go_ahead(ahead: tuple[Entry, transitions.Claimed | None] | None) -> None:
+        if ahead is not None and ahead[1] is not None:
+            ahead[1].held.release()
+
+    def _record_unrecorded(self) -> None:
+        """Record the outcome that waits for the next job's start (-j 1)."""
+        waiting, self._unrecorded = self._unrecorded, None
+        if waiting is not None:
+            self._record(*waiting)
+
+    def _record(self, claimed: transitions.Claimed, out: Outcome) -> None:
+        """Move a job out of cur/ by its outcome, then log it (at once, or
+        after the group commit has synced the move)."""
+        job, job_id, attempt = claimed.job, claimed.job_id, claimed.attempt
+        reg = self.registration
         defer = self._group_commit and self.spool.dir.fsync
         try:
             dest, due = transitions.finish(self.ctx, claimed, out, reg.worker_id, defer_sync=defer)

@@ -307,3 +307,56 @@ def test_a_long_next_job_does_not_hold_back_the_previous_outcome(spool, tmp_path
         worker.wait()
         log.close()
         s.run("sweep")  # and the orphaned sleep with it
+
+
+def _locked(path) -> bool:
+    """Whether some process holds the file's flock (probed without waiting)."""
+    import fcntl
+
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def test_the_job_prepared_ahead_is_let_go_and_never_charged(fast_spool, tmp_path):
+    """-j 1 locks and reads the next job while the current one's process
+    runs. A slow job lets it go (it can be cancelled, others can take it);
+    a worker killed while holding it leaves it waiting, no attempt counted."""
+    s = fast_spool
+    started = tmp_path / "started"
+    slow = s.enqueue(f"touch {started}; exec sleep 300")
+    s.enqueue("--id", "next-job", "true")
+    worker = s.popen("work", "-j", "1", stderr=subprocess.DEVNULL)
+    wait_for(started.exists, what="the slow job to start")
+    wait_for(lambda: not _locked(s.path / "new" / "next-job.json"), what="the prepared job to be let go")
+    assert s.run("cancel", "next-job").returncode == 0 and s.where("next-job") == ["done"]
+    worker.send_signal(signal.SIGKILL)
+    worker.wait()
+    s.run("sweep")
+    s.run("cancel", slow)
+    started.unlink()
+
+    # A worker that holds the next job as long as the slow one runs, killed.
+    slow = s.enqueue(f"touch {started}; exec sleep 300")
+    s.enqueue("--id", "held-job", "true")
+    worker = s.popen("work", "-j", "1", env={"SPOOLQ_TEST_LOOK_AHEAD_HOLD": "600"}, stderr=subprocess.DEVNULL)
+    wait_for(started.exists, what="the slow job to start")
+    wait_for(lambda: _locked(s.path / "new" / "held-job.json"), what="the next job to be prepared")
+    worker.send_signal(signal.SIGKILL)
+    worker.wait()
+    assert "recovered 1 to failed/" in s.run("sweep").stdout  # the running one, not the held one
+    assert s.where("held-job") == ["new"]
+    held = s.record("new", "held-job")
+    assert held.get("attempts", 0) == 0 and not held.get("history")  # never charged
+    s.run("cancel", slow)
+    s.work()
+    job = s.show("held-job")
+    assert job["state"] == "done" and job["attempts"] == 1

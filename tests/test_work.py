@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
 import time
 
 from conftest import wait_for
@@ -263,3 +265,46 @@ def test_outcome_log_lines(fast_spool):
     assert any(f"job={bad} outcome=dead attempt=1/1" in line and "exit=3" in line for line in lines)
     s.enqueue("true")
     assert s.work("--quiet").stderr == ""
+
+
+def test_a_job_inherits_only_stdin_stdout_and_stderr(fast_spool, tmp_path):
+    """Whatever else the worker has open (descriptors passed down by
+    whoever started it, watchdog's inotify descriptor in watch mode) is
+    closed in the job: with posix_spawn and with Popen (a job with a cwd)."""
+    s = fast_spool
+    listing = ["--argv", "--", "sh", "-c", "ls /proc/$$/fd"]
+    plain = s.enqueue(*listing)
+    in_cwd = s.enqueue("--cwd", str(tmp_path), *listing)
+    leaked_r, leaked_w = os.pipe()
+    os.set_inheritable(leaked_r, True)
+    try:
+        worker = s.popen("work", pass_fds=(leaked_r,), stderr=subprocess.DEVNULL)
+        assert worker.wait(timeout=60) == 0
+        watched = s.enqueue(*listing)
+        watcher = s.popen("work", "--watch", pass_fds=(leaked_r,), stderr=subprocess.DEVNULL)
+        wait_for(lambda: s.where(watched) == ["done"], what="the watcher to run the job")
+        watcher.send_signal(signal.SIGTERM)
+        assert watcher.wait(timeout=60) == 0
+    finally:
+        os.close(leaked_r)
+        os.close(leaked_w)
+    for job_id in (plain, in_cwd, watched):
+        assert s.show(job_id)["stdout"].split() == ["0", "1", "2"], job_id
+
+
+def test_a_program_is_found_on_the_jobs_own_path(fast_spool, tmp_path):
+    s = fast_spool
+    s.config("max_attempts", 1)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    tool = bin_dir / "mytool"
+    tool.write_text("#!/bin/sh\necho from mytool\n")
+    tool.chmod(0o755)
+    path = f"/nonexistent:{bin_dir}:/usr/bin:/bin"
+    found = s.enqueue("--env", f"PATH={path}", "--argv", "--", "mytool")
+    missing = s.enqueue("--env", f"PATH={path}", "--argv", "--", "no-such-tool")
+    on_ours = s.enqueue("--argv", "--", "true")
+    s.work()
+    assert s.show(found)["stdout"] == "from mytool\n"
+    assert s.show(missing)["error"] == "cannot start: No such file or directory: no-such-tool"
+    assert s.show(on_ours)["state"] == "done"
