@@ -128,10 +128,6 @@ class Bench:
 
         return self.add(Figure("bare_claim", n, self.loop("bare claim", n, body), note="rename + unlink"))
 
-    def bare_true(self, n: int) -> Figure:
-        seconds = self.loop("bare true", n, lambda i: subprocess.run(["true"]))
-        return self.add(Figure("bare_true", n, seconds, note='subprocess.run(["true"])'))
-
     # -- spoolq ------------------------------------------------------------
 
     def enqueue_inprocess(self, n: int) -> Figure:
@@ -174,16 +170,35 @@ class Bench:
             note = "no-op handlers with a timeout: each in a forked child, -j 1"
         return self.add(Figure(name, n, seconds, baseline="bare_claim", note=note))
 
-    def drain_true(self, n: int, jobs: int) -> Figure:
-        spool = self.fresh_spool(f"true-j{jobs}")
+    def true_commands(self, n: int, rounds: int = 4) -> None:
+        """``spoolq work -j 1`` and ``-j 2`` on ``n`` argv ["true"] jobs each
+        against a bare ``subprocess.run(["true"])`` loop. The three take
+        turns in ``rounds`` slices (a fresh ``spoolq work`` each, start-up
+        included), so that a noisy machine slows all of them alike."""
+        share = max(1, n // rounds)
+        seconds = {"bare": 0.0, 1: 0.0, 2: 0.0}
+        kinds = ["bare", 1, 2]
+        for r in range(rounds):
+            for kind in kinds[r % 3:] + kinds[:r % 3]:
+                if kind == "bare":
+                    seconds[kind] += self.loop(f"bare true {r + 1}/{rounds}", share, lambda i: subprocess.run(["true"]))
+                else:
+                    seconds[kind] += self._drain_true(share, kind, f"{r}")
+        total = share * rounds
+        self.add(Figure("bare_true", total, seconds["bare"], note='subprocess.run(["true"])'))
+        for jobs in (1, 2):
+            self.add(Figure(f"drain_true_j{jobs}", total, seconds[jobs], baseline="bare_true",
+                            note=f"spoolq work -j {jobs} on argv [\"true\"] jobs (whole command, {rounds} turns)"))
+
+    def _drain_true(self, n: int, jobs: int, label: str) -> float:
+        spool = self.fresh_spool(f"true-j{jobs}-{label}")
         spool.enqueue_many([{"argv": ["true"]}] * n)
         start = time.perf_counter()
         subprocess.run(SPOOLQ_CMD + ["-s", spool.path, "work", "-q", "-j", str(jobs)], check=True)
         seconds = time.perf_counter() - start
         done = spool.status()["done"]
         assert done == n, (done, n)
-        return self.add(Figure(f"drain_true_j{jobs}", n, seconds, baseline="bare_true",
-                               note=f"spoolq work -j {jobs} on argv [\"true\"] jobs (whole command)"))
+        return seconds
 
     def pickup_latency(self, n: int, jobs: int, scope: str = "new", interval: float = 0.005) -> Figure:
         """Latency from the rename into new/ to the job's start (the worker's
@@ -496,10 +511,7 @@ def run(spool_path: str, jobs: int, fsync: bool, sections: tuple[str, ...] = SEC
             forked.extra["fork_cost_us"] = round(forked.us_per_job - inline.us_per_job, 1)
             bench.say(f"cost of the timeout-capable (fork) model: {forked.us_per_job - inline.us_per_job:,.0f} us per job")
         if "true" in sections:
-            m = true_jobs or min(jobs, 2000)
-            bench.bare_true(m)
-            bench.drain_true(m, 1)
-            bench.drain_true(m, 2)
+            bench.true_commands(true_jobs or min(jobs, 2000))
         if "latency" in sections:
             for scope in ("new", "paired"):
                 for j in (1, 4):

@@ -524,7 +524,8 @@ class Worker:
                 else:
                     out = fork_handler(handler, job, limits, handle, spawned, on_slow)
             else:
-                out = run_process(job, self._env(job, attempt), limits, handle, spawned, self._spawn_closes, on_slow)
+                out = run_process(job, self._env(job, attempt), limits, handle, spawned, self._spawn_closes, on_slow,
+                                  threaded=self.jobs > 1)
         except ForcedStop:
             out = Outcome(start=time.time(), end=time.time(), error="killed: the worker was told to stop now", interrupted=True)
         except Exception as e:  # spoolq's own failure to run it: a failed run, not a dead worker
