@@ -856,6 +856,17 @@ class Held:
     def read(self, limit: int) -> bytes:
         return _read_upto(self.fd, limit, self.size)
 
+    def still_named(self) -> os.stat_result | None:
+        """The locked file's stat if ``folder/name`` still names it; None
+        if the name is gone or now names another file (say an editor that
+        saved by rename while we held the old one)."""
+        fst = os.fstat(self.fd)
+        try:
+            now = os.stat(self.name, dir_fd=self.spool.fd(self.folder), follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+        return fst if (now.st_ino, now.st_dev) == (fst.st_ino, fst.st_dev) else None
+
     def rewrite(self, data: bytes, durable: bool = True, mtime_ns: int | None = None) -> None:
         """Replace the file's content with ``data``, keeping the lock.
 

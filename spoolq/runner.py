@@ -147,6 +147,7 @@ class _Spawned:
 
 
 _devnull_fd: int | None = None
+_DEFAULT_SIGNALS = tuple(getattr(signal, name) for name in ("SIGPIPE", "SIGXFZ", "SIGXFSZ") if hasattr(signal, name))
 
 
 def _spawn(argv: list[str], env: dict[str, str], cwd: str | None, fds: tuple[int, int, int],
@@ -163,26 +164,29 @@ def _spawn(argv: list[str], env: dict[str, str], cwd: str | None, fds: tuple[int
                                 start_new_session=True, close_fds=True)
     actions = [(os.POSIX_SPAWN_DUP2, fds[0], 0), (os.POSIX_SPAWN_DUP2, fds[1], 1), (os.POSIX_SPAWN_DUP2, fds[2], 2)]
     actions += [(os.POSIX_SPAWN_CLOSE, fd) for fd in close if fd not in fds]
+    # Python ignores SIGPIPE and SIGXFSZ; a job gets them back at their
+    # defaults (as Popen's restore_signals does), or `yes | head` misbehaves.
+    options = {"file_actions": actions, "setsid": True, "setsigdef": _DEFAULT_SIGNALS}
     program = argv[0]
     try:
         if "/" in program:
-            return _Spawned(os.posix_spawn(program, argv, env, file_actions=actions, setsid=True))
+            return _Spawned(os.posix_spawn(program, argv, env, **options))
         if env.get("PATH") == os.environ.get("PATH"):
             # The C library searches our PATH, which is the job's too.
-            return _Spawned(os.posix_spawnp(program, argv, env, file_actions=actions, setsid=True))
+            return _Spawned(os.posix_spawnp(program, argv, env, **options))
+        # The job sets its own PATH: search it here, as Popen would.
+        error: OSError | None = None
+        for folder in os.get_exec_path(env):
+            try:
+                return _Spawned(os.posix_spawn(os.path.join(folder, program), argv, env, **options))
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            except OSError as e:
+                error = error or e
+        raise error or FileNotFoundError(2, os.strerror(2))
     except OSError as e:
-        e.filename = e.filename or program
+        e.filename = program
         raise
-    # The job sets its own PATH: search it here, as Popen would.
-    error: OSError | None = None
-    for folder in os.get_exec_path(env):
-        try:
-            return _Spawned(os.posix_spawn(os.path.join(folder, program), argv, env, file_actions=actions, setsid=True))
-        except (FileNotFoundError, NotADirectoryError):
-            continue
-        except OSError as e:
-            error = error or e
-    raise error or FileNotFoundError(2, os.strerror(2), program)
 
 
 def _stdin_devnull() -> int:
@@ -251,20 +255,23 @@ def _trim(fd: int, keep: int) -> None:
 
 
 def _supervise(pid: int, limits: Limits, handle: RunHandle, outputs: tuple[int, ...] = (), keep: int = 0,
-               on_slow: tuple[float, Callable[[], None]] | None = None) -> bool:
-    """Wait for a child, enforcing the timeout on its process group and
-    keeping its captured output bounded. Returns whether it timed out. The
-    child is left for the caller to reap."""
+               on_slow: tuple[float, Callable[[], None]] | None = None, started: float | None = None) -> bool:
+    """Wait for a child, enforcing the timeout (counted from ``started``,
+    a monotonic time, else from now) on its process group and keeping its
+    captured output bounded. Returns whether it timed out. The child is left
+    for the caller to reap."""
     try:
         pidfd = os.pidfd_open(pid)
     except (AttributeError, OSError):
         pidfd = None
     try:
-        deadline = time.monotonic() + limits.timeout if limits.timeout > 0 else None
+        if started is None:
+            started = time.monotonic()
+        deadline = started + limits.timeout if limits.timeout > 0 else None
         if on_slow is not None:
             slow_after, slow = on_slow
             if deadline is not None:
-                slow_after = min(slow_after, limits.timeout)
+                slow_after = min(slow_after, max(0.0, deadline - time.monotonic()))
             if _wait_exit(pid, pidfd, slow_after):
                 return False
             slow()
@@ -335,6 +342,7 @@ def run_process(
             stdin = stdin_fd if stdin_fd is not None else _stdin_devnull()
             proc = _spawn(argv, env, job.get("cwd"), (stdin, stdout_fd, stderr_fd),
                           inheritable_fds() if close is None else close, threaded)
+            started = time.monotonic()  # the timeout counts from here, not from after on_spawn
         except OSError as e:
             out.end = time.time()
             where = f": {e.filename}" if e.filename else ""
@@ -352,7 +360,8 @@ def run_process(
                 pass  # the registration is a safety net; the run goes on without it
             if handle.interrupted:  # a kill arrived before the pid was known
                 handle.kill()
-            out.timed_out = _supervise(proc.pid, limits, handle, (stdout_fd, stderr_fd), limits.output_limit, on_slow)
+            out.timed_out = _supervise(proc.pid, limits, handle, (stdout_fd, stderr_fd), limits.output_limit, on_slow,
+                                       started)
         except BaseException:
             # Whatever went wrong here, leave nothing running behind us.
             _killpg(proc.pid, signal.SIGKILL)
@@ -458,6 +467,7 @@ def fork_handler(
     before = procs.boot_ticks()
     try:
         pid = os.fork()
+        started = time.monotonic()
         if pid == 0:  # the child: run, write the outcome, leave without cleanup
             code = 0
             try:
@@ -491,7 +501,7 @@ def fork_handler(
                 pass
             if handle.interrupted:
                 handle.kill()
-            out.timed_out = _supervise(pid, limits, handle, on_slow=on_slow)
+            out.timed_out = _supervise(pid, limits, handle, on_slow=on_slow, started=started)
         except BaseException:
             _killpg(pid, signal.SIGKILL)
             os.waitpid(pid, 0)

@@ -95,6 +95,7 @@ class Claimed:
     job_id: str
     due_ns: int
     origin: str
+    prepared_mtime_ns: int = 0  # the file's mtime when prepare() was done with it
 
     @property
     def attempt(self) -> int:
@@ -159,15 +160,18 @@ def quarantine(ctx: Context, held: Held, reason: str) -> str:
     return name
 
 
-def claim(ctx: Context, entry: Entry, now_ns: int, on_quarantine: Callable[[str, str], None] | None = None) -> Claimed | None:
+def claim(ctx: Context, entry: Entry, now_ns: int, on_quarantine: Callable[[str, str], None] | None = None,
+          on_busy: Callable[[], None] | None = None) -> Claimed | None:
     """Take one waiting file: lock it, check it is still due, validate it,
     and rename it into cur/. Returns None when the race was lost, the file
-    is not due, or it was quarantined to dead/ (``on_quarantine(name, reason)``)."""
-    ready = prepare(ctx, entry, now_ns, on_quarantine)
+    is not due, or it was quarantined to dead/ (``on_quarantine(name, reason)``).
+    ``on_busy()`` is called when another process holds the file's lock."""
+    ready = prepare(ctx, entry, now_ns, on_quarantine, on_busy)
     return take(ctx, ready, now_ns, on_quarantine) if ready is not None else None
 
 
-def prepare(ctx: Context, entry: Entry, now_ns: int, on_quarantine: Callable[[str, str], None] | None = None) -> Claimed | None:
+def prepare(ctx: Context, entry: Entry, now_ns: int, on_quarantine: Callable[[str, str], None] | None = None,
+            on_busy: Callable[[], None] | None = None) -> Claimed | None:
     """All of a claim but the rename: lock the waiting file, check it is
     due, validate it. The file stays where it is, held only by the lock, so
     a crash (or ``held.release()``) leaves nothing to recover; other
@@ -175,7 +179,11 @@ def prepare(ctx: Context, entry: Entry, now_ns: int, on_quarantine: Callable[[st
     sp = ctx.spool
     try:
         held = sp.hold(entry.state, entry.name, mode=entry.mode)
-    except (Busy, Gone, FileNotFoundError):
+    except Busy:
+        if on_busy:
+            on_busy()
+        return None
+    except (Gone, FileNotFoundError):
         return None
     except NotRegular as e:
         try:
@@ -233,7 +241,7 @@ def prepare(ctx: Context, entry: Entry, now_ns: int, on_quarantine: Callable[[st
             job["attempts"] = 0
             job["state"] = "new"
             held.rewrite(record.dumps(job))
-        return Claimed(held, job, job_id, due_ns, entry.state)
+        return Claimed(held, job, job_id, due_ns, entry.state, os.fstat(held.fd).st_mtime_ns)
     except BaseException:
         held.release()
         raise
@@ -241,10 +249,13 @@ def prepare(ctx: Context, entry: Entry, now_ns: int, on_quarantine: Callable[[st
 
 def take(ctx: Context, ready: Claimed, now_ns: int, on_quarantine: Callable[[str, str], None] | None = None) -> Claimed | None:
     """Rename a prepared job into cur/: the claim itself. None (and the
-    lock let go) if it was postponed or moved away since it was prepared."""
+    lock let go) if since it was prepared it was postponed (``touch -d``),
+    moved away, or replaced under its name (an editor saving by rename):
+    the file renamed is always the one locked and read."""
     held, job, job_id = ready.held, ready.job, ready.job_id
     try:
-        if os.fstat(held.fd).st_mtime_ns > now_ns:  # `touch -d` since prepare()
+        st = held.still_named()
+        if st is None or (st.st_mtime_ns != ready.prepared_mtime_ns and st.st_mtime_ns > now_ns):
             held.release()
             return None
         try:

@@ -41,6 +41,10 @@ COMMIT_SECONDS = 0.05  # ... and none waits longer than this for it
 # -j 1 prepares the next job while the current one's process runs; a job
 # still running after this long lets the next one go again.
 LOOK_AHEAD_HOLD = 0.005
+# A pass that found due files locked by another process looks again this
+# soon, up to this many times in a row, before it sleeps or ends a drain.
+BUSY_RETRY_DELAY = 2 * LOOK_AHEAD_HOLD
+BUSY_RETRIES = 100
 COMPACT_CHECK_JOBS = 1000  # count done/ for auto-compaction after this many jobs ...
 COMPACT_CHECK_SECONDS = 60.0  # ... or this long
 
@@ -174,6 +178,7 @@ class Worker:
         self._pass: tuple[list[Entry], int] = ([], 0)
         self._ahead: tuple[Entry, transitions.Claimed | None] | None = None
         self._spawn_closes: list[int] = []
+        self._busy_this_pass = 0  # due files another process held when we tried them
         # (Tests lengthen the hold to catch a worker killed while it holds one.)
         self._look_ahead_hold = float(os.environ.get("SPOOLQ_TEST_LOOK_AHEAD_HOLD") or LOOK_AHEAD_HOLD)
         self._next_compact_ran = 0
@@ -274,10 +279,6 @@ class Worker:
                     self.waker = Waker()
             self.waker.rescan_interval = self._rescan_interval()
             self.waker.start()
-            # Jobs inherit stdin, stdout and stderr only: whatever else is
-            # open without close-on-exec now (from whoever started us, or
-            # watchdog's inotify descriptor) is closed in every job's process.
-            self._spawn_closes = inheritable_fds()
             committer_stop = threading.Event()
             threading.Thread(target=self._committer, args=(committer_stop,), name="spoolq-commit", daemon=True).start()
             if self.jobs > 1:
@@ -288,8 +289,14 @@ class Worker:
                 self._threads = threads
             self._dispatch()
         finally:
+            # Also when the dispatcher failed (an exception, Ctrl-C in a
+            # program that calls Spool.work): let the prepared job go, record
+            # and commit the last outcome.
+            self._let_go_ahead(self._ahead)
+            self._ahead = None
             try:
-                self._record_unrecorded()  # also when the dispatcher failed
+                self._record_unrecorded()
+                self._commit()
             except Exception as e:
                 self.log.line(f"worker={self._wid} cannot record the last outcome: {e}", 0)
             if "committer_stop" in locals():
@@ -341,16 +348,27 @@ class Worker:
         claimed_this_pass = 0
         next_due: int | None = None
         first = True
+        busy_rounds = 0
         while self._may_claim():
             if pos >= len(entries):
                 self._record_unrecorded()  # before pausing, compacting or scanning
+                if claimed_this_pass:
+                    busy_rounds = 0
                 if not first and claimed_this_pass == 0 and self._finished_since_scan == 0:
                     # Nothing changed since the last look.
                     self._commit()
-                    if not self.watch and self._active == 0:
+                    if self._busy_this_pass and busy_rounds < BUSY_RETRIES:
+                        # Another worker held a due file for a moment: it was
+                        # claiming it, or prepared it ahead and may let it go.
+                        # No event will say so; look again soon, rather than
+                        # sleep or end the drain with it still waiting.
+                        busy_rounds += 1
+                        waker.wait(BUSY_RETRY_DELAY)
+                    elif not self.watch and self._active == 0:
                         break
-                    self.registration.flush()
-                    waker.wait(self._sleep_for(next_due))
+                    else:
+                        self.registration.flush()
+                        waker.wait(self._sleep_for(next_due))
                     if not self._may_claim():
                         break
                 self._maybe_compact()
@@ -358,6 +376,12 @@ class Worker:
                 waker.check()
                 with self._lock:
                     self._finished_since_scan = 0
+                self._busy_this_pass = 0
+                # Jobs inherit stdin, stdout and stderr only: whatever else is
+                # open without close-on-exec (from whoever started us, or
+                # watchdog's inotify descriptor) is closed in every job's
+                # process. Looked up once a pass, not once a job.
+                self._spawn_closes = inheritable_fds()
                 scan = sp.scan(time.time_ns(), SCAN_LIMIT)
                 entries, pos, next_due = scan.due, 0, scan.next_due_ns
                 claimed_this_pass = 0
@@ -377,7 +401,7 @@ class Worker:
                     claimed = transitions.take(self.ctx, ready, time.time_ns(), self._on_quarantine) if ready else None
                 else:
                     self._let_go_ahead(ahead)
-                    claimed = transitions.claim(self.ctx, entry, time.time_ns(), self._on_quarantine)
+                    claimed = transitions.claim(self.ctx, entry, time.time_ns(), self._on_quarantine, self._on_busy)
             except Exception as e:  # a claim never takes the worker down; the file stays put
                 self.log.line(f"worker={self._wid} cannot claim {entry.state}/{entry.name}: {type(e).__name__}: {e}", 0)
                 claimed = None
@@ -454,6 +478,9 @@ class Worker:
                 self._execute(claimed)
             except BaseException as e:  # e.g. a ForcedStop delivered late: keep the slot alive
                 self.log.line(f"worker={self._wid} slot error: {type(e).__name__}: {e}", 0)
+
+    def _on_busy(self) -> None:
+        self._busy_this_pass += 1
 
     def _on_quarantine(self, name: str, reason: str) -> None:
         self.log.line(f"worker={self._wid} job={name} outcome=dead state=dead error={_quote(reason)}", 0)
@@ -549,7 +576,7 @@ class Worker:
             return
         entry = entries[pos]
         try:
-            ready = transitions.prepare(self.ctx, entry, time.time_ns(), self._on_quarantine)
+            ready = transitions.prepare(self.ctx, entry, time.time_ns(), self._on_quarantine, self._on_busy)
         except Exception:
             return  # the dispatcher will claim it the usual way and say what failed
         self._ahead = (entry, ready)

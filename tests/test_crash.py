@@ -360,3 +360,44 @@ def test_the_job_prepared_ahead_is_let_go_and_never_charged(fast_spool, tmp_path
     s.work()
     job = s.show("held-job")
     assert job["state"] == "done" and job["attempts"] == 1
+
+
+def test_another_worker_takes_the_job_a_slow_one_prepared(fast_spool, tmp_path):
+    """A worker that prepared the next job lets it go when its own job runs
+    long; no event says so, yet a drain started meanwhile must take it (it
+    looks again soon after finding a due file locked) rather than end."""
+    s = fast_spool
+    started = tmp_path / "started"
+    s.enqueue(f"touch {started}; exec sleep 300")
+    s.enqueue("--id", "next-job", "true")
+    holder = s.popen("work", "-j", "1", env={"SPOOLQ_TEST_LOOK_AHEAD_HOLD": "0.5"}, stderr=subprocess.DEVNULL)
+    wait_for(started.exists, what="the slow job to start")
+    wait_for(lambda: _locked(s.path / "new" / "next-job.json"), what="the next job to be prepared")
+    s.work()  # a second worker, while the first still holds next-job
+    assert s.where("next-job") == ["done"]
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    s.run("sweep")
+
+
+def test_a_prepared_job_replaced_under_its_name_runs_as_replaced(fast_spool, tmp_path):
+    """An editor that saves by rename while the worker holds the old file:
+    the worker must not rename the new file into cur/ unlocked and run the
+    old content; it lets the old one go and runs the new one."""
+    s = fast_spool
+    go = tmp_path / "go"
+    s.enqueue(f"while [ ! -e {go} ]; do sleep 0.02; done")
+    s.enqueue("--id", "edited", "echo original")
+    worker = s.popen("work", "-j", "1", env={"SPOOLQ_TEST_LOOK_AHEAD_HOLD": "600"}, stderr=subprocess.DEVNULL)
+    target = s.path / "new" / "edited.json"
+    wait_for(lambda: _locked(target), what="the next job to be prepared")
+    job = json.loads(target.read_text())
+    job["command"] = "echo edited"
+    saved = s.path / "tmp" / "edited.json.swp"
+    saved.write_text(json.dumps(job))
+    os.rename(saved, target)
+    go.touch()
+    assert worker.wait(timeout=60) == 0
+    done = s.show("edited")
+    assert done["state"] == "done" and done["stdout"] == "edited\n"
+    assert done["attempts"] == 1 and len(done["history"]) == 1

@@ -145,3 +145,13 @@ def test_a_dropped_duplicate_id_goes_to_dead(fast_spool):
     dead = [json.loads(line) for line in s.run("list", "--state", "dead", "--json").stdout.splitlines()]
     assert len(dead) == 1 and "duplicate id" in dead[0]["error"]
     assert json.loads((s.path / "done" / "dup.json").read_text())["command"] == "true"
+
+
+def test_many_dropped_files_with_a_past_run_at_all_run_in_one_drain(fast_spool):
+    """Honouring run_at rewrites the file while it is being claimed; the
+    claim must still go ahead (it once saw its own rewrite as a postponement)."""
+    s = fast_spool
+    for i in range(300):
+        s.drop(f"past-{i:03d}.json", json.dumps({"command": "true", "run_at": "2001-01-01T00:00:00Z"}))
+    s.work()
+    assert len(s.ids("done")) == 300 and s.ids("new") == []

@@ -308,3 +308,15 @@ def test_a_program_is_found_on_the_jobs_own_path(fast_spool, tmp_path):
     assert s.show(found)["stdout"] == "from mytool\n"
     assert s.show(missing)["error"] == "cannot start: No such file or directory: no-such-tool"
     assert s.show(on_ours)["state"] == "done"
+
+
+def test_a_job_gets_sigpipe_and_sigxfsz_at_their_defaults(fast_spool):
+    """Python ignores both; a job must not inherit that (`yes | head` would
+    complain of a broken pipe, and writers that ignore EPIPE can loop)."""
+    s = fast_spool
+    job_id = s.enqueue("grep SigIgn /proc/self/status; yes | head -1")
+    s.work()
+    job = s.show(job_id)
+    ignored = int(job["stdout"].split()[1], 16)
+    assert not ignored & (1 << (signal.SIGPIPE - 1)) and not ignored & (1 << (signal.SIGXFSZ - 1))
+    assert job["stdout"].split()[2:] == ["y"] and "stderr" not in job and job["state"] == "done"
