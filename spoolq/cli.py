@@ -30,6 +30,13 @@ def _duration(ctx, param, value):
         raise click.BadParameter(str(e)) from None
 
 
+def _spool_dir(ctx, param, value):
+    if value == "":
+        # `-s "$UNSET"` must not turn the current directory into a spool.
+        raise click.BadParameter("the spool directory must not be empty")
+    return value
+
+
 def _json_arg(text: str, what: str) -> Any:
     try:
         return json.loads(text)
@@ -50,7 +57,7 @@ class SpoolGroup(click.Group):
 
 
 @click.group(cls=SpoolGroup, context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("-s", "--spool", "spool_dir", envvar="SPOOLQ_DIR", default="spool", show_default=True,
+@click.option("-s", "--spool", "spool_dir", envvar="SPOOLQ_DIR", default="spool", show_default=True, callback=_spool_dir,
               help="The spool directory (else $SPOOLQ_DIR, else ./spool).")
 @click.version_option(package_name="spoolq")
 @click.pass_context

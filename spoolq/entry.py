@@ -27,8 +27,8 @@ def plain_show(args: list[str]) -> tuple[str, str, bool] | None:
         spool_dir, rest = rest[0][len("--spool="):], rest[1:]
     elif rest and rest[0].startswith("-s") and len(rest[0]) > 2 and rest[0][2] != "-":
         spool_dir, rest = rest[0][2:], rest[1:]
-    if not rest or rest[0] != "show":
-        return None
+    if not spool_dir or not rest or rest[0] != "show":
+        return None  # an empty spool directory is click's to refuse
     options = [a for a in rest[1:] if a.startswith("-")]
     ids = [a for a in rest[1:] if not a.startswith("-")]
     if len(ids) != 1 or options not in ([], ["--json"]):

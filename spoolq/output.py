@@ -83,6 +83,11 @@ def require_spool(spool) -> None:
 def show(spool, job_id: str, as_json: bool) -> None:
     """``spoolq show``: one job's record, wherever it is, or exit 1."""
     require_spool(spool)
+    from .protocol import id_problem
+
+    problem = id_problem(job_id)
+    if problem:
+        fail(problem, 1)  # quoted: a hostile id cannot break the line
     job = spool.get(job_id)
     if job is None:
         fail(f"no job {job_id} in this spool", 1)

@@ -36,6 +36,8 @@ class Spool:
     def __init__(self, path: str | os.PathLike | None = None):
         if path is None:
             path = os.environ.get("SPOOLQ_DIR") or "spool"
+        if os.fspath(path) == "":
+            raise ValueError("the spool path is empty")
         self.path = os.path.abspath(os.fspath(path))
         self._settings: dict[str, Any] | None = None
         self.dir = SpoolDir(self.path, fsync=True)

@@ -230,3 +230,10 @@ def test_the_testing_helper(tmp_path):
 def test_public_names():
     assert spoolq.Permanent is Permanent
     assert {"Spool", "Permanent", "InvalidJob", "DuplicateId"} <= set(spoolq.__all__)
+
+
+def test_an_empty_spool_path_is_an_error(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="empty"):
+        Spool("")
+    assert os.listdir(tmp_path) == []

@@ -291,3 +291,18 @@ def test_plain_show_skips_click_and_prints_what_click_prints(fast_spool, tmp_pat
 
 def quick_show(s: SpoolFixture, job_id: str) -> str:
     return s.run("show", job_id).stdout
+
+
+def test_an_empty_spool_path_is_refused_not_taken_for_the_current_directory(tmp_path):
+    """`spoolq -s "$UNSET" init` must not lay a spool out in the cwd."""
+    for args in (["init"], ["show", "x"], ["enqueue", "true"]):
+        proc = subprocess.run(SPOOLQ + ["-s", "", *args], capture_output=True, text=True, cwd=tmp_path, timeout=60)
+        assert proc.returncode == 2 and "must not be empty" in proc.stderr, args
+    assert os.listdir(tmp_path) == []
+
+
+def test_show_of_a_hostile_id_says_why_on_one_line(spool):
+    for job_id in ("a\nb", "../etc", "x" * 300):
+        proc = spool.run("show", job_id, check=False)
+        assert proc.returncode == 1 and len(proc.stderr.splitlines()) == 1, job_id
+        assert proc.stderr.startswith("spoolq: id ") and proc.stdout == ""
