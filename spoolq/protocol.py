@@ -129,6 +129,16 @@ def id_problem(job_id: object) -> str | None:
     return None
 
 
+def _names(dir_fd: int, name: str, st: os.stat_result) -> bool:
+    """Whether ``name`` in the folder still names the file ``st`` is of
+    (not gone, not replaced by another file since it was opened)."""
+    try:
+        now = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return (now.st_ino, now.st_dev) == (st.st_ino, st.st_dev)
+
+
 def id_of(name: str) -> str:
     """The job id that a file name stands for: the name without ``.json``."""
     return name[:-5] if name.endswith(".json") and len(name) > 5 else name
@@ -728,11 +738,7 @@ class SpoolDir:
             fst = os.fstat(fd)
             if not stat.S_ISREG(fst.st_mode):
                 raise NotRegular(kind_of(fst.st_mode))
-            try:
-                now = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-            except FileNotFoundError:
-                raise Gone(name) from None
-            if (now.st_ino, now.st_dev) != (fst.st_ino, fst.st_dev):
+            if not _names(dir_fd, name, fst):
                 raise Gone(name)
         except BaseException:
             _close_held(fd)
@@ -861,11 +867,7 @@ class Held:
         if the name is gone or now names another file (say an editor that
         saved by rename while we held the old one)."""
         fst = os.fstat(self.fd)
-        try:
-            now = os.stat(self.name, dir_fd=self.spool.fd(self.folder), follow_symlinks=False)
-        except FileNotFoundError:
-            return None
-        return fst if (now.st_ino, now.st_dev) == (fst.st_ino, fst.st_dev) else None
+        return fst if _names(self.spool.fd(self.folder), self.name, fst) else None
 
     def rewrite(self, data: bytes, durable: bool = True, mtime_ns: int | None = None) -> None:
         """Replace the file's content with ``data``, keeping the lock.

@@ -263,16 +263,15 @@ class Spool:
             job = record.parse(data, job_id) if len(data) <= limit else None
         except (InvalidJob, NotRegular, OSError):
             job = None
-        if job is None:
-            from .transitions import dead_reason
-
-            reason = dead_reason(self.context(), state, name) or "unreadable"
-            job = {"id": job_id, "error": reason, "valid": False}
-        elif state == "dead" and job.get("error") is None:
+        if job is None or (state == "dead" and job.get("error") is None):
+            # Imported only here: the transitions bring in the runner, which
+            # `spoolq show` of a good record does not need.
             from .transitions import dead_reason
 
             reason = dead_reason(self.context(), state, name)
-            if reason:
+            if job is None:
+                job = {"id": job_id, "error": reason or "unreadable", "valid": False}
+            elif reason:
                 job["error"] = reason
         job["state"] = state
         job["file"] = os.path.join(self.path, state, name)

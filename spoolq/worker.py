@@ -289,11 +289,10 @@ class Worker:
                 self._threads = threads
             self._dispatch()
         finally:
-            # Also when the dispatcher failed (an exception, Ctrl-C in a
-            # program that calls Spool.work): let the prepared job go, record
-            # and commit the last outcome.
-            self._let_go_ahead(self._ahead)
-            self._ahead = None
+            # Whether the dispatcher returned or failed (an exception, Ctrl-C
+            # in a program that calls Spool.work): let the prepared job go,
+            # record and commit the last outcome.
+            self._drop_ahead()
             try:
                 self._record_unrecorded()
                 self._commit()
@@ -394,13 +393,14 @@ class Worker:
                 self._commit()
             if self.jobs > 1 and not self._acquire_slot():
                 break
-            ahead, self._ahead = self._ahead, None
+            ahead = self._ahead
             try:
                 if ahead is not None and ahead[0] is entry:
+                    self._ahead = None
                     ready = ahead[1]  # prepared while the last job ran
                     claimed = transitions.take(self.ctx, ready, time.time_ns(), self._on_quarantine) if ready else None
                 else:
-                    self._let_go_ahead(ahead)
+                    self._drop_ahead()
                     claimed = transitions.claim(self.ctx, entry, time.time_ns(), self._on_quarantine, self._on_busy)
             except Exception as e:  # a claim never takes the worker down; the file stays put
                 self.log.line(f"worker={self._wid} cannot claim {entry.state}/{entry.name}: {type(e).__name__}: {e}", 0)
@@ -418,9 +418,6 @@ class Worker:
                 self._execute(claimed)
             else:
                 self._handoff.put(claimed)
-        self._let_go_ahead(self._ahead)
-        self._ahead = None
-        self._record_unrecorded()
         self._commit()
         # Let the running jobs end (killed ones too, after a second signal).
         while self._active > 0 and any(t.is_alive() for t in self._threads):
@@ -531,12 +528,8 @@ class Worker:
             self._record_unrecorded()
             self._look_ahead()
 
-        def slow() -> None:
-            # A job that runs this long must not keep the next one locked.
-            ahead, self._ahead = self._ahead, None
-            self._let_go_ahead(ahead)
-
-        on_slow = (self._look_ahead_hold, slow) if self.jobs == 1 else None
+        # A job still running after the hold must not keep the next one locked.
+        on_slow = (self._look_ahead_hold, self._drop_ahead) if self.jobs == 1 else None
 
         out: Outcome
         try:
@@ -581,8 +574,9 @@ class Worker:
             return  # the dispatcher will claim it the usual way and say what failed
         self._ahead = (entry, ready)
 
-    @staticmethod
-    def _let_go_ahead(ahead: tuple[Entry, transitions.Claimed | None] | None) -> None:
+    def _drop_ahead(self) -> None:
+        """Let the prepared job go: only its lock, nothing was moved."""
+        ahead, self._ahead = self._ahead, None
         if ahead is not None and ahead[1] is not None:
             ahead[1].held.release()
 
