@@ -219,6 +219,49 @@ def test_due_order_beats_name_order(fast_spool, tmp_path):
     assert log.read_text().split() == [b, a]
 
 
+def test_a_bounded_scan_hands_out_every_due_file_in_order_over_several_passes(fast_spool):
+    """With more due files than a pass keeps, each pass returns the earliest
+    ones by (due time, name) and says more are waiting; taking them away and
+    scanning again yields the rest, in order, then the files not yet due."""
+    import random
+
+    from spoolq.protocol import SpoolDir
+
+    s = fast_spool
+    rng = random.Random(7)
+    now = time.time_ns()
+    expected = []
+    for i in range(120):
+        state = "failed" if i % 3 == 0 else "new"
+        name = f"job{rng.randrange(10**6):06d}-{i}.json"
+        # Few distinct due times, so ties are broken by name.
+        due = now - rng.randrange(1, 6) * 10**9
+        path = s.path / state / name
+        path.write_text('{"command": "true"}')
+        os.utime(path, ns=(due, due))
+        expected.append((due, name, state))
+    later = s.path / "new" / "later.json"
+    later.write_text('{"command": "true"}')
+    os.utime(later, ns=(now + 60 * 10**9, now + 60 * 10**9))
+    expected.sort()
+
+    sp = SpoolDir(str(s.path), fsync=False)
+    sp.open()
+    handed_out = []
+    for _ in range(30):
+        scan = sp.scan(now, limit=7)
+        assert len(scan.due) <= 7
+        assert scan.next_due_ns == now + 60 * 10**9
+        for entry in scan.due:
+            handed_out.append((entry.due_ns, entry.name, entry.state))
+            os.unlink(s.path / entry.state / entry.name)
+        if not scan.truncated:
+            break
+    sp.close()
+    assert handed_out == expected
+    assert later.exists()
+
+
 def test_jobs_run_concurrently_with_j(fast_spool, tmp_path):
     s = fast_spool
     # Each job waits until all three have started: only -j 3 can finish them.
