@@ -128,6 +128,40 @@ class Bench:
 
         return self.add(Figure("bare_claim", n, self.loop("bare claim", n, body), note="rename + unlink"))
 
+    def bare_drain(self, spool: Spool, n: int, name: str = "bare_drain") -> Figure:
+        """The system calls of one claim and one finish and nothing else, on
+        the first ``n`` due files of ``spool``: open, flock, fstat, stat (the
+        name still names it), read, rename into cur/, write the record back,
+        rename out, close. Measured on the spool's own files, so it sees the
+        same folder sizes and filesystem state as the drain it is compared
+        with. The files end in a folder of their own, not in done/."""
+        from .worker import SCAN_LIMIT
+
+        sp = spool.dir
+        out = os.path.join(spool.path, "bare-done")
+        os.makedirs(out, exist_ok=True)
+        new_fd, cur_fd = sp.fd("new"), sp.fd("cur")
+        out_fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
+        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        import fcntl
+
+        todo = [e.name for e in sp.scan(time.time_ns(), min(n, SCAN_LIMIT)).due if e.state == "new"]
+        start = time.perf_counter()  # the scan is left out: its cost is a figure of its own
+        for job in todo:
+            fd = os.open(job, flags, dir_fd=new_fd)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            st = os.fstat(fd)
+            os.stat(job, dir_fd=new_fd, follow_symlinks=False)
+            data = os.read(fd, st.st_size + 1)
+            os.rename(job, job, src_dir_fd=new_fd, dst_dir_fd=cur_fd)
+            os.pwrite(fd, data, 0)
+            os.rename(job, job, src_dir_fd=cur_fd, dst_dir_fd=out_fd)
+            os.close(fd)
+        seconds = time.perf_counter() - start
+        os.close(out_fd)
+        return self.add(Figure(name, len(todo), seconds, note="the system calls of a claim and a finish: open, flock, "
+                                                              "fstat, stat, read, rename, pwrite, rename, close"))
+
     # -- spoolq ------------------------------------------------------------
 
     def enqueue_inprocess(self, n: int) -> Figure:
@@ -168,7 +202,7 @@ class Bench:
         note = "no-op handlers, in-process, -j 1"
         if timeout is not None:
             note = "no-op handlers with a timeout: each in a forked child, -j 1"
-        return self.add(Figure(name, n, seconds, baseline="bare_claim", note=note))
+        return self.add(Figure(name, n, seconds, baseline="bare_drain", note=note))
 
     def true_commands(self, n: int, rounds: int = 4) -> None:
         """``spoolq work -j 1`` and ``-j 2`` on ``n`` argv ["true"] jobs each
@@ -365,20 +399,23 @@ class Bench:
             self.add(Figure(f"scale_scan_{label}", size, scan, kind="time",
                             note=f"one pass over new/ with {size:,} files (scandir + lstat, keep the first {SCAN_LIMIT // 1000}k): "
                                  f"{scan * 1000:.0f} ms, {scan / size * 1e6:.1f} us per file"))
+            # The bare system calls of a drain, on the first tenth of these
+            # very files: what this filesystem itself costs at this size.
+            bare = self.bare_drain(spool, max(100, size // 10), f"scale_bare_drain_{label}")
             t0 = time.perf_counter()
             proc = subprocess.run(SPOOLQ_CMD + ["-s", spool.path, "work", "-q", "--app", "spoolq.bench:NOOP_HANDLERS"],
                                   check=True)
             drain = time.perf_counter() - t0 - startup
             rss_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-            fig = self.add(Figure(f"scale_drain_{label}", size, drain,
-                                  note=f"spoolq work draining {size:,} no-op handler jobs (its {startup * 1000:.0f} ms start-up "
+            fig = self.add(Figure(f"scale_drain_{label}", size - bare.jobs, drain,
+                                  note=f"spoolq work draining {size - bare.jobs:,} no-op handler jobs (its {startup * 1000:.0f} ms start-up "
                                        f"taken off); peak RSS of all drains so far {rss_mb:.0f} MB"))
             fig.extra["peak_rss_mb"] = round(rss_mb, 1)
             del proc
             if with_history and size == sizes[-1]:
                 self.history_at(spool, size)
         first = _short(sizes[0])
-        for kind in ("enqueue", "drain"):
+        for kind in ("enqueue", "bare_drain", "drain"):
             base = self.figures[f"scale_{kind}_{first}"]
             for size in sizes[1:]:
                 fig = self.figures[f"scale_{kind}_{_short(size)}"]
@@ -505,6 +542,10 @@ def run(spool_path: str, jobs: int, fsync: bool, sections: tuple[str, ...] = SEC
             bench.enqueue_jsonl(jobs)
         if "drain" in sections:
             bench.bare_claim(jobs)
+            sample, size = bench.fresh_spool("bare-drain"), min(jobs, 20000)
+            for start in range(0, size, 10000):
+                sample.enqueue_many([{"kind": "noop"}] * min(10000, size - start))
+            bench.bare_drain(sample, size)
             bench.drain_handlers(jobs)
             forked = bench.drain_handlers(min(jobs, 5000), name="drain_handlers_forked", timeout=60)
             inline = bench.figures["drain_handlers"]

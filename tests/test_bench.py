@@ -12,12 +12,25 @@ def test_bench_reports_figures_with_baselines_and_cleans_up(fast_spool):
                  "--section", "sqlite", "--json", timeout=600)
     report = json.loads(proc.stdout)
     figures = report["figures"]
-    for name in ("bare_enqueue", "enqueue", "enqueue_many", "enqueue_jsonl", "bare_claim", "drain_handlers",
+    for name in ("bare_enqueue", "enqueue", "enqueue_many", "enqueue_jsonl", "bare_claim", "bare_drain", "drain_handlers",
                  "drain_handlers_forked", "sqlite_normal_enqueue", "sqlite_normal_drain", "sqlite_full_drain"):
         assert figures[name]["jobs"] > 0 and figures[name]["jobs_per_s"] > 0, name
     assert figures["enqueue"]["baseline"] == "bare_enqueue" and figures["enqueue"]["ratio"] > 0
     assert "vs_sqlite_normal_drain" in figures["drain_handlers"]
+    assert figures["drain_handlers"]["baseline"] == "bare_drain" and figures["bare_drain"]["jobs"] == 1000
     assert report["fsync"] is False and report["machine"]["cpus"] >= 1
     assert not [n for n in os.listdir(s.path) if n.startswith(".bench-")]  # the scratch spool is gone
     table = s.run("bench", "--jobs", "1000", "--section", "enqueue", timeout=600).stdout
     assert "bare_enqueue" in table and "vs baseline" in table
+
+
+def test_bench_scale_reports_the_bare_drain_next_to_the_drain_at_each_size(fast_spool):
+    s = fast_spool
+    proc = s.run("bench", "--no-fsync", "--section", "scale", "--scale", "200,2000", "--json", timeout=600)
+    figures = json.loads(proc.stdout)["figures"]
+    # A tenth (at least 100) of each size goes through the bare system calls, the rest through spoolq work.
+    assert figures["scale_bare_drain_200"]["jobs"] == 100 and figures["scale_drain_200"]["jobs"] == 100
+    assert figures["scale_bare_drain_2k"]["jobs"] == 200 and figures["scale_drain_2k"]["jobs"] == 1800
+    for kind in ("enqueue", "bare_drain", "drain"):
+        assert figures[f"scale_{kind}_2k"]["cost_ratio"] > 0, kind
+    assert figures["scale_drain_2k"]["peak_rss_mb"] > 0
