@@ -677,9 +677,9 @@ class SpoolDir:
         # one kept can still make the cut: most of a large backlog is turned
         # away by one integer comparison instead of being kept and sorted.
         cut_mtime, cut_name = None, ""
-        # A scan creates an object or two per waiting file; with a million
-        # waiting, the cyclic collector walked them again and again (three
-        # quarters of a 34 s scan). None of them can form a cycle.
+        # A scan creates an object or two per waiting file, none of which can
+        # form a cycle: with a million waiting, the cyclic collector would
+        # only walk the kept entries again and again.
         collecting = gc.isenabled()
         gc.disable()
         try:
