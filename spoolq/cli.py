@@ -488,7 +488,9 @@ def bench(ctx, n, fsync, sections, true_jobs, scale_sizes, compare, as_json, kee
     try:
         sizes = tuple(int(x) for x in scale_sizes.split(","))
     except ValueError:
-        fail(f"--scale takes sizes like 1000,100000, not {scale_sizes!r}", 2)
+        sizes = ()
+    if not sizes or min(sizes) < 100:
+        fail(f"--scale takes sizes of at least 100 like 1000,100000, not {scale_sizes!r}", 2)
     chosen = tuple(sections) or tuple(x for x in benchmod.SECTIONS if x != "sqlite")
     if compare == "sqlite" and "sqlite" not in chosen:
         chosen += ("sqlite",)

@@ -669,17 +669,21 @@ class SpoolDir:
         """List the waiting folders once and return the due files in claim
         order: by (due time = mtime, name). Memory stays bounded by ``limit``
         however many files wait; ``truncated`` says a further scan is needed."""
+        if limit < 1:
+            raise ValueError("a scan keeps at least one entry")
         due: list[Entry] = []
         next_due: int | None = None
         truncated = False
-        cap = limit + limit // 4  # memory stays near `limit` entries whatever waits
+        cap = limit + max(1, limit // 4)  # memory stays near `limit` entries whatever waits
         # Once `due` has overflowed, only entries that sort before the last
         # one kept can still make the cut: most of a large backlog is turned
         # away by one integer comparison instead of being kept and sorted.
-        cut_mtime, cut_name = None, ""
+        cut_mtime: int | None = None
+        cut_rest = ("", "")  # (name, state) of the last entry kept
         # A scan creates an object or two per waiting file, none of which can
         # form a cycle: with a million waiting, the cyclic collector would
-        # only walk the kept entries again and again.
+        # only walk the kept entries again and again (~1.5 of 6 s). This
+        # pauses it process-wide, handler threads included, for one pass.
         collecting = gc.isenabled()
         gc.disable()
         try:
@@ -700,14 +704,15 @@ class SpoolDir:
                                 next_due = mtime
                             continue
                         if cut_mtime is not None and (
-                            mtime > cut_mtime or (mtime == cut_mtime and name >= cut_name)
+                            mtime > cut_mtime or (mtime == cut_mtime and (name, state) >= cut_rest)
                         ):
                             continue
                         due.append(Entry(mtime, name, state, st.st_mode))
                         if len(due) >= cap:
                             due.sort()
                             del due[limit:]
-                            cut_mtime, cut_name = due[-1].due_ns, due[-1].name
+                            last = due[-1]
+                            cut_mtime, cut_rest = last.due_ns, (last.name, last.state)
                             truncated = True
         finally:
             if collecting:

@@ -34,3 +34,12 @@ def test_bench_scale_reports_the_bare_drain_next_to_the_drain_at_each_size(fast_
     for kind in ("enqueue", "bare_drain", "drain"):
         assert figures[f"scale_{kind}_2k"]["cost_ratio"] > 0, kind
     assert figures["scale_drain_2k"]["peak_rss_mb"] > 0
+
+
+def test_bench_refuses_scale_sizes_it_cannot_split(fast_spool):
+    s = fast_spool
+    for bad in ("50", "1000,0", "x", ""):
+        proc = s.run("bench", "--section", "scale", "--scale", bad, check=False)
+        assert proc.returncode == 2, bad
+        assert proc.stderr.strip().count("\n") == 0 and "--scale" in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr

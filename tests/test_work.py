@@ -262,6 +262,33 @@ def test_a_bounded_scan_hands_out_every_due_file_in_order_over_several_passes(fa
     assert later.exists()
 
 
+def test_a_bounded_scan_breaks_ties_at_the_cut_by_folder(fast_spool):
+    """Same due time, same name in new/ and failed/: failed/ sorts first,
+    also when the pair sits exactly where a pass is cut off."""
+    import pytest
+
+    from spoolq.protocol import SpoolDir
+
+    s = fast_spool
+    due = time.time_ns() - 10**9
+    files = [s.path / "new" / f"a{i}.json" for i in range(5)] + [s.path / "failed" / "a3.json"]
+    for path in files:
+        path.write_text('{"command": "true"}')
+        os.utime(path, ns=(due, due))
+    sp = SpoolDir(str(s.path), fsync=False)
+    sp.open()
+    try:
+        scan = sp.scan(time.time_ns(), limit=4)
+        assert [(e.state, e.name) for e in scan.due] == [
+            ("new", "a0.json"), ("new", "a1.json"), ("new", "a2.json"), ("failed", "a3.json")]
+        assert scan.truncated
+        assert not sp.scan(time.time_ns(), limit=6).truncated  # all six fit: nothing left out
+        with pytest.raises(ValueError):
+            sp.scan(time.time_ns(), limit=0)
+    finally:
+        sp.close()
+
+
 def test_jobs_run_concurrently_with_j(fast_spool, tmp_path):
     s = fast_spool
     # Each job waits until all three have started: only -j 3 can finish them.
