@@ -8,6 +8,7 @@ as a fraction of what this machine can do at all.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -132,9 +133,9 @@ class Bench:
         """The system calls of one claim and one finish and nothing else, on
         the first ``n`` due files of ``spool``: open, flock, fstat, stat (the
         name still names it), read, rename into cur/, write the record back,
-        rename out, close. Measured on the spool's own files, so it sees the
-        same folder sizes and filesystem state as the drain it is compared
-        with. The files end in a folder of their own, not in done/."""
+        rename out, close. Measured on the spool's own files, so it reads
+        from a folder as large as the drain that follows starts with. The
+        files end in a folder of their own, not in done/."""
         from .worker import SCAN_LIMIT
 
         sp = spool.dir
@@ -143,8 +144,6 @@ class Bench:
         new_fd, cur_fd = sp.fd("new"), sp.fd("cur")
         out_fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
         flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-        import fcntl
-
         todo = [e.name for e in sp.scan(time.time_ns(), min(n, SCAN_LIMIT)).due if e.state == "new"]
         start = time.perf_counter()  # the scan is left out: its cost is a figure of its own
         for job in todo:
