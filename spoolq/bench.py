@@ -367,17 +367,11 @@ class Bench:
 
     def scale(self, sizes: tuple[int, ...], with_history: bool = False) -> None:
         """At each queue size: enqueue cost (the last 1,000 jobs in), status
-        time, and a whole drain in a separate `spoolq work` process (cost per
-        job and its peak RSS)."""
+        time, the bare system calls of a drain on a tenth of the jobs, and a
+        whole worker draining the rest in a process of its own (cost per job
+        and its peak RSS)."""
         import resource
 
-        empty = self.fresh_spool("scale-empty")
-        starts = []
-        for _ in range(3):  # what a whole `spoolq work` costs with nothing to do
-            t0 = time.perf_counter()
-            subprocess.run(SPOOLQ_CMD + ["-s", empty.path, "work", "-q", "--app", "spoolq.bench:NOOP_HANDLERS"], check=True)
-            starts.append(time.perf_counter() - t0)
-        startup = min(starts)
         for size in sizes:
             spool = self.fresh_spool(f"scale-{size}")
             tail = min(1000, size)
@@ -403,16 +397,17 @@ class Bench:
             # itself costs at this size. Its second rename goes to a folder
             # of its own, not to done/.
             bare = self.bare_drain(spool, max(size // 10, min(100, size // 2)), f"scale_bare_drain_{label}")
-            t0 = time.perf_counter()
-            proc = subprocess.run(SPOOLQ_CMD + ["-s", spool.path, "work", "-q", "--app", "spoolq.bench:NOOP_HANDLERS"],
-                                  check=True)
-            drain = time.perf_counter() - t0 - startup
+            # A process of its own (for its peak RSS) that times its own
+            # drain: no start-up to subtract, which on a noisy host could
+            # leave a short drain with a negative time.
+            proc = subprocess.run([sys.executable, "-c", _TIMED_DRAIN, spool.path], check=True,
+                                  capture_output=True, text=True)
+            ran, drain = proc.stdout.split()
             rss_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-            fig = self.add(Figure(f"scale_drain_{label}", size - bare.jobs, drain,
-                                  note=f"spoolq work draining {size - bare.jobs:,} no-op handler jobs (its {startup * 1000:.0f} ms start-up "
-                                       f"taken off); peak RSS of all drains so far {rss_mb:.0f} MB"))
+            fig = self.add(Figure(f"scale_drain_{label}", int(ran), float(drain),
+                                  note=f"a worker (Spool.work, as `spoolq work --app` runs it) draining {int(ran):,} "
+                                       f"no-op handler jobs; peak RSS of all drains so far {rss_mb:.0f} MB"))
             fig.extra["peak_rss_mb"] = round(rss_mb, 1)
-            del proc
             if with_history and size == sizes[-1]:
                 self.history_at(spool, size - bare.jobs)
         first = _short(sizes[0])
@@ -517,6 +512,18 @@ def _noop(payload: Any) -> None:
 
 
 SECTIONS = ("enqueue", "drain", "true", "latency", "sqlite", "status", "scale", "history", "used")
+# The scale section's drain: a whole worker in a process of its own, timed
+# from inside so that the interpreter's start-up is not counted.
+_TIMED_DRAIN = """
+import sys, time
+from spoolq import Spool
+from spoolq.bench import NOOP_HANDLERS
+spool = Spool(sys.argv[1])
+start = time.perf_counter()
+ran = spool.work(handlers=NOOP_HANDLERS)
+print(ran, time.perf_counter() - start)
+"""
+
 NOOP_HANDLERS = {"noop": lambda payload: None}  # for `spoolq work --app spoolq.bench:NOOP_HANDLERS`
 
 
