@@ -683,8 +683,8 @@ class SpoolDir:
         # A scan creates an object or two per waiting file, none of which can
         # form a cycle: with a million waiting, the cyclic collector would
         # only walk the kept entries again and again (a quarter of the time
-        # of a pass over a million entries). This
-        # pauses it process-wide, handler threads included, for one pass.
+        # of a pass over a million entries). This pauses it process-wide,
+        # handler threads included, for one pass.
         collecting = gc.isenabled()
         gc.disable()
         try:
