@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from .protocol import SpoolError
 from .spool import Spool
 
 SPOOLQ_CMD = [sys.executable, "-m", "spoolq"]
@@ -537,6 +538,8 @@ def run(spool_path: str, jobs: int, fsync: bool, sections: tuple[str, ...] = SEC
     """Run the chosen sections in a scratch folder inside ``spool_path``.
     Nothing is deleted until the end: deletions slow down later creates on
     some filesystems (the "used" section measures exactly that)."""
+    if os.path.exists(spool_path) and not os.path.isdir(spool_path):
+        raise SpoolError(f"{spool_path} exists and is not a directory")
     os.makedirs(spool_path, exist_ok=True)
     root = os.path.join(spool_path, f".bench-{os.getpid()}")
     os.makedirs(root)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 
 
 def test_bench_reports_figures_with_baselines_and_cleans_up(fast_spool):
@@ -43,3 +44,15 @@ def test_bench_refuses_scale_sizes_it_cannot_split(fast_spool):
         assert proc.returncode == 2, bad
         assert proc.stderr.strip().count("\n") == 0 and "--scale" in proc.stderr, proc.stderr
         assert "Traceback" not in proc.stderr
+
+
+def test_bench_on_a_file_says_so_in_one_line(tmp_path):
+    from conftest import SPOOLQ
+
+    path = tmp_path / "not-a-folder"
+    path.write_text("x")
+    proc = subprocess.run(SPOOLQ + ["-s", str(path), "bench", "--section", "scale", "--scale", "100"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr == f"spoolq: {path} exists and is not a directory\n"
+    assert path.read_text() == "x"
