@@ -147,7 +147,7 @@ class _Spawned:
 
 
 _devnull_fd: int | None = None
-_DEFAULT_SIGNALS = tuple(getattr(signal, name) for name in ("SIGPIPE", "SIGXFZ", "SIGXFSZ") if hasattr(signal, name))
+_DEFAULT_SIGNALS = tuple(getattr(signal, name) for name in ("SIGPIPE", "SIGXFSZ") if hasattr(signal, name))
 
 
 def _spawn(argv: list[str], env: dict[str, str], cwd: str | None, fds: tuple[int, int, int],
