@@ -204,6 +204,19 @@ class Bench:
             note = "no-op handlers with a timeout: each in a forked child, -j 1"
         return self.add(Figure(name, n, seconds, baseline="bare_drain", note=note))
 
+    def drain_two_workers(self, n: int) -> Figure:
+        """Two worker processes (``Spool.work``, as two ``spoolq work --app``
+        would run) draining one spool of no-op handler jobs at once."""
+        spool = self.fresh_spool("drain-2w")
+        for start in range(0, n, 10000):
+            spool.enqueue_many([{"kind": "noop"}] * min(10000, n - start))
+        seconds, outputs = _run_together([[sys.executable, "-c", _WORKER_DRAIN, spool.path]] * 2)
+        ran = [int(out) for out in outputs]
+        done = spool.status()["done"]
+        assert sum(ran) == n and done == n, (ran, done, n)
+        return self.add(Figure("drain_handlers_2w", n, seconds, baseline="drain_handlers",
+                               note=f"no-op handlers, two worker processes at once (they ran {ran[0]:,} and {ran[1]:,})"))
+
     def true_commands(self, n: int, rounds: int = 4) -> None:
         """``spoolq work -j 1`` and ``-j 2`` on ``n`` argv ["true"] jobs each
         against a bare ``subprocess.run(["true"])`` loop. The three take
@@ -291,16 +304,7 @@ class Bench:
         """The SQLite-table queue of "Background Jobs Without a Job Queue":
         one table, WAL, a partial index on pending rows, claim by UPDATE ...
         WHERE id = (SELECT ... LIMIT 1) RETURNING, a commit per job."""
-        import sqlite3
-
-        path = os.path.join(self.root, f"sqlite-{synchronous.lower()}.db")
-        db = sqlite3.connect(path, isolation_level=None)
-        db.execute("PRAGMA journal_mode=WAL")
-        db.execute(f"PRAGMA synchronous={synchronous}")
-        db.execute("""CREATE TABLE jobs (id INTEGER PRIMARY KEY, kind TEXT NOT NULL, payload TEXT NOT NULL,
-                      status TEXT NOT NULL DEFAULT 'pending', run_at REAL NOT NULL, attempts INTEGER NOT NULL DEFAULT 0,
-                      result TEXT, error TEXT, created_at REAL NOT NULL, updated_at REAL)""")
-        db.execute("CREATE INDEX jobs_pending ON jobs (run_at) WHERE status = 'pending'")
+        db = sqlite_create(os.path.join(self.root, f"sqlite-{synchronous.lower()}.db"), synchronous)
 
         def enqueue(i: int) -> None:
             now = time.time()
@@ -309,29 +313,32 @@ class Bench:
             db.execute("COMMIT")
 
         enq = self.loop(f"sqlite {synchronous} enqueue", n, enqueue)
-        done = 0
         start = time.perf_counter()
-        while True:
-            now = time.time()
-            db.execute("BEGIN IMMEDIATE")
-            row = db.execute(
-                "UPDATE jobs SET status = 'running', attempts = attempts + 1, updated_at = ? WHERE id = "
-                "(SELECT id FROM jobs WHERE status = 'pending' AND run_at <= ? ORDER BY run_at LIMIT 1) "
-                "RETURNING id, kind, payload", (now, now)).fetchone()
-            db.execute("COMMIT")
-            if row is None:
-                break
-            _noop(json.loads(row[2]))
-            db.execute("BEGIN IMMEDIATE")
-            db.execute("UPDATE jobs SET status = 'done', result = ?, updated_at = ? WHERE id = ?", ("null", time.time(), row[0]))
-            db.execute("COMMIT")
-            done += 1
+        done = sqlite_drain(db)
         drain = time.perf_counter() - start
         db.close()
         tag = synchronous.lower()
         a = self.add(Figure(f"sqlite_{tag}_enqueue", n, enq, note=f"SQLite-table queue, synchronous={synchronous}, commit per job"))
         b = self.add(Figure(f"sqlite_{tag}_drain", done, drain, note=f"SQLite-table queue, synchronous={synchronous}: claim + complete per job"))
         return a, b
+
+    def sqlite_two_workers(self, n: int, synchronous: str) -> Figure:
+        """The same SQLite-table queue drained by two worker processes at once
+        (each claims and completes with its own connection, a commit each)."""
+        path = os.path.join(self.root, f"sqlite-{synchronous.lower()}-2w.db")
+        db = sqlite_create(path, synchronous)
+        now = time.time()
+        db.execute("BEGIN")
+        db.executemany("INSERT INTO jobs (kind, payload, run_at, created_at) VALUES (?, ?, ?, ?)",
+                       [("noop", "{}", now, now)] * n)
+        db.execute("COMMIT")
+        seconds, outputs = _run_together([[sys.executable, "-c", _SQLITE_WORKER, path, synchronous]] * 2)
+        done = db.execute("SELECT count(*) FROM jobs WHERE status = 'done'").fetchone()[0]
+        db.close()
+        assert done == n and sum(int(out) for out in outputs) == n, (done, outputs)
+        tag = synchronous.lower()
+        return self.add(Figure(f"sqlite_{tag}_drain_2w", n, seconds,
+                               note=f"SQLite-table queue, synchronous={synchronous}: two worker processes at once"))
 
     def status_time(self, spool: Spool, label: str) -> Figure:
         """`spoolq status --json` on a spool (the whole command, cold)."""
@@ -527,6 +534,88 @@ print(ran, time.perf_counter() - start)
 
 NOOP_HANDLERS = {"noop": lambda payload: None}  # for `spoolq work --app spoolq.bench:NOOP_HANDLERS`
 
+# A worker that waits (imported, spool open) until told to go: the figures
+# of several workers start the clock when all of them are ready.
+_WORKER_DRAIN = """
+import sys
+from spoolq import Spool
+from spoolq.bench import NOOP_HANDLERS
+spool = Spool(sys.argv[1])
+spool.settings  # reads config.json: the spool is open
+print("ready", flush=True)
+sys.stdin.readline()
+print(spool.work(handlers=NOOP_HANDLERS, signals=False))
+"""
+_SQLITE_WORKER = """
+import sqlite3, sys
+from spoolq.bench import sqlite_drain
+db = sqlite3.connect(sys.argv[1], isolation_level=None, timeout=60)
+db.execute(f"PRAGMA synchronous={sys.argv[2]}")
+print("ready", flush=True)
+sys.stdin.readline()
+print(sqlite_drain(db))
+"""
+
+
+def _run_together(commands: list[list[str]]) -> tuple[float, list[str]]:
+    """Start ``commands``, wait until each says it is ready, let them all go
+    at once and time until the last has exited. Returns (seconds, the last
+    line each printed)."""
+    procs = [subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for cmd in commands]
+    try:
+        for proc in procs:
+            if proc.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"a bench worker did not start: {proc.args}")
+        start = time.perf_counter()
+        for proc in procs:
+            proc.stdin.write("go\n")
+            proc.stdin.close()
+        outputs = [proc.stdout.read().strip() for proc in procs]
+        for proc in procs:
+            if proc.wait() != 0:
+                raise RuntimeError(f"a bench worker failed: {proc.args}")
+        return time.perf_counter() - start, outputs
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def sqlite_create(path: str, synchronous: str):
+    """The table of the SQLite-table queue, as the article builds it."""
+    import sqlite3
+
+    db = sqlite3.connect(path, isolation_level=None)
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute(f"PRAGMA synchronous={synchronous}")
+    db.execute("""CREATE TABLE jobs (id INTEGER PRIMARY KEY, kind TEXT NOT NULL, payload TEXT NOT NULL,
+                  status TEXT NOT NULL DEFAULT 'pending', run_at REAL NOT NULL, attempts INTEGER NOT NULL DEFAULT 0,
+                  result TEXT, error TEXT, created_at REAL NOT NULL, updated_at REAL)""")
+    db.execute("CREATE INDEX jobs_pending ON jobs (run_at) WHERE status = 'pending'")
+    return db
+
+
+def sqlite_drain(db: Any) -> int:
+    """Claim and complete due jobs of the SQLite-table queue, a commit each,
+    until none is left; returns how many this connection ran."""
+    done = 0
+    while True:
+        now = time.time()
+        db.execute("BEGIN IMMEDIATE")
+        row = db.execute(
+            "UPDATE jobs SET status = 'running', attempts = attempts + 1, updated_at = ? WHERE id = "
+            "(SELECT id FROM jobs WHERE status = 'pending' AND run_at <= ? ORDER BY run_at LIMIT 1) "
+            "RETURNING id, kind, payload", (now, now)).fetchone()
+        db.execute("COMMIT")
+        if row is None:
+            return done
+        _noop(json.loads(row[2]))
+        db.execute("BEGIN IMMEDIATE")
+        db.execute("UPDATE jobs SET status = 'done', result = ?, updated_at = ? WHERE id = ?", ("null", time.time(), row[0]))
+        db.execute("COMMIT")
+        done += 1
+
 
 def _short(n: int) -> str:
     return f"{n // 1000000}M" if n >= 1000000 and n % 1000000 == 0 else f"{n // 1000}k" if n % 1000 == 0 else str(n)
@@ -558,6 +647,7 @@ def run(spool_path: str, jobs: int, fsync: bool, sections: tuple[str, ...] = SEC
                 sample.enqueue_many([{"kind": "noop"}] * min(10000, size - start))
             bench.bare_drain(sample, size)
             bench.drain_handlers(jobs)
+            bench.drain_two_workers(jobs)
             forked = bench.drain_handlers(min(jobs, 5000), name="drain_handlers_forked", timeout=60)
             inline = bench.figures["drain_handlers"]
             forked.extra["fork_cost_us"] = round(forked.us_per_job - inline.us_per_job, 1)
@@ -573,8 +663,10 @@ def run(spool_path: str, jobs: int, fsync: bool, sections: tuple[str, ...] = SEC
             bench.sqlite_queue(min(jobs, 5000), "FULL")
             # The targets compare like with like: fsync off with NORMAL, on with FULL.
             sync = "full" if fsync else "normal"
+            bench.sqlite_two_workers(jobs if not fsync else min(jobs, 5000), sync.upper())
             for mine, theirs in (("enqueue", f"sqlite_{sync}_enqueue"), ("enqueue_many", f"sqlite_{sync}_enqueue"),
-                                 ("drain_handlers", f"sqlite_{sync}_drain")):
+                                 ("drain_handlers", f"sqlite_{sync}_drain"),
+                                 ("drain_handlers_2w", f"sqlite_{sync}_drain_2w")):
                 if mine in bench.figures and theirs in bench.figures:
                     fig, other = bench.figures[mine], bench.figures[theirs]
                     fig.extra[f"vs_{theirs}"] = round(fig.rate / other.rate, 3)

@@ -14,10 +14,15 @@ def test_bench_reports_figures_with_baselines_and_cleans_up(fast_spool):
     report = json.loads(proc.stdout)
     figures = report["figures"]
     for name in ("bare_enqueue", "enqueue", "enqueue_many", "enqueue_jsonl", "bare_claim", "bare_drain", "drain_handlers",
-                 "drain_handlers_forked", "sqlite_normal_enqueue", "sqlite_normal_drain", "sqlite_full_drain"):
+                 "drain_handlers_2w", "drain_handlers_forked", "sqlite_normal_enqueue", "sqlite_normal_drain",
+                 "sqlite_full_drain", "sqlite_normal_drain_2w"):
         assert figures[name]["jobs"] > 0 and figures[name]["jobs_per_s"] > 0, name
     assert figures["enqueue"]["baseline"] == "bare_enqueue" and figures["enqueue"]["ratio"] > 0
     assert "vs_sqlite_normal_drain" in figures["drain_handlers"]
+    # Two worker processes share the jobs of one spool, and one SQLite table, between them.
+    assert figures["drain_handlers_2w"]["jobs"] == 1000 and figures["sqlite_normal_drain_2w"]["jobs"] == 1000
+    assert figures["drain_handlers_2w"]["baseline"] == "drain_handlers"
+    assert "vs_sqlite_normal_drain_2w" in figures["drain_handlers_2w"]
     assert figures["drain_handlers"]["baseline"] == "bare_drain" and figures["bare_drain"]["jobs"] == 1000
     assert report["fsync"] is False and report["machine"]["cpus"] >= 1
     assert not [n for n in os.listdir(s.path) if n.startswith(".bench-")]  # the scratch spool is gone
