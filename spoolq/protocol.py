@@ -890,9 +890,14 @@ class Held:
     def still_named(self) -> os.stat_result | None:
         """The locked file's stat if ``folder/name`` still names it; None
         if the name is gone or now names another file (say an editor that
-        saved by rename while we held the old one)."""
-        fst = os.fstat(self.fd)
-        return fst if _names(self.spool.fd(self.folder), self.name, fst) else None
+        saved by rename while we held the old one). One stat of the name:
+        when it is our inode (``st`` always describes the descriptor held),
+        that stat is the file's own, current mtime included."""
+        try:
+            now = os.stat(self.name, dir_fd=self.spool.fd(self.folder), follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+        return now if (now.st_ino, now.st_dev) == (self.st.st_ino, self.st.st_dev) else None
 
     def rewrite(self, data: bytes, durable: bool = True, mtime_ns: int | None = None) -> None:
         """Replace the file's content with ``data``, keeping the lock.

@@ -196,6 +196,7 @@ def prepare(ctx: Context, entry: Entry, now_ns: int, on_quarantine: Callable[[st
     except PermissionError as e:
         return _quarantine_unheld(ctx, entry, f"unreadable: {e.strerror}", on_quarantine)
     due_ns = held.st.st_mtime_ns
+    rewritten = False
     try:
         if due_ns > now_ns:  # postponed since the scan
             held.release()
@@ -235,13 +236,18 @@ def prepare(ctx: Context, entry: Entry, now_ns: int, on_quarantine: Callable[[st
                     held.release()
                     return None
                 held.rewrite(record.dumps(job))
+                rewritten = True
         if job.get("state") == "dead":
             # Moved back from dead/ by hand: a fresh round. Written down now,
             # so a crash during the run is counted against the new round.
             job["attempts"] = 0
             job["state"] = "new"
             held.rewrite(record.dumps(job))
-        return Claimed(held, job, job_id, due_ns, entry.state, os.fstat(held.fd).st_mtime_ns)
+            rewritten = True
+        # take() tells a postponement (touch -d) from our own rewrite by this
+        # mtime; without a rewrite it is still the one found when locked.
+        mtime_ns = os.fstat(held.fd).st_mtime_ns if rewritten else due_ns
+        return Claimed(held, job, job_id, due_ns, entry.state, mtime_ns)
     except BaseException:
         held.release()
         raise

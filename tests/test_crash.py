@@ -380,6 +380,26 @@ def test_another_worker_takes_the_job_a_slow_one_prepared(fast_spool, tmp_path):
     s.run("sweep")
 
 
+def test_a_prepared_job_postponed_with_touch_waits(fast_spool, tmp_path):
+    """`touch -d` on a job the worker has already prepared (locked, read,
+    still in new/) postpones it: when the job before it ends the worker lets
+    it go instead of running it."""
+    s = fast_spool
+    go = tmp_path / "go"
+    s.enqueue(f"while [ ! -e {go} ]; do sleep 0.02; done")
+    s.enqueue("--id", "later", "true")
+    worker = s.popen("work", "-j", "1", env={"SPOOLQ_TEST_LOOK_AHEAD_HOLD": "600"}, stderr=subprocess.DEVNULL)
+    target = s.path / "new" / "later.json"
+    wait_for(lambda: _locked(target), what="the next job to be prepared")
+    future = time.time() + 3600
+    os.utime(target, (future, future))
+    go.touch()
+    assert worker.wait(timeout=60) == 0
+    assert s.where("later") == ["new"]
+    assert abs(target.stat().st_mtime - future) < 1
+    assert s.show("later")["attempts"] == 0 and not _locked(target)
+
+
 def test_a_prepared_job_replaced_under_its_name_runs_as_replaced(fast_spool, tmp_path):
     """An editor that saves by rename while the worker holds the old file:
     the worker must not rename the new file into cur/ unlocked and run the
