@@ -39,13 +39,34 @@ def _spool_dir(ctx, param, value):
 
 def _json_arg(text: str, what: str) -> Any:
     try:
-        return json.loads(text)
+        return record.loads(text)
     except ValueError as e:
         fail(f"{what} is not valid JSON: {e}", 2)
 
 
+_NO_ARGS_IS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())
+
+
 class SpoolGroup(click.Group):
     """Turns the core's exceptions into one-line messages and exit codes."""
+
+    def main(self, *args: Any, **kwargs: Any) -> Any:
+        # click's own errors (a bad option, a missing argument) print usage,
+        # a hint and the error on four lines; spoolq's errors are one line.
+        kwargs["standalone_mode"] = False
+        try:
+            code = super().main(*args, **kwargs)
+        except _NO_ARGS_IS_HELP as e:  # plain `spoolq`: the help, as click prints it
+            echo(e.format_message(), err=True)
+            sys.exit(e.exit_code)
+        except click.UsageError as e:
+            where = e.ctx.command_path if e.ctx is not None else "spoolq"
+            fail(f"{e.format_message()} (see '{where} --help')", e.exit_code)
+        except click.ClickException as e:
+            fail(e.format_message(), e.exit_code)
+        except click.Abort:
+            fail("interrupted", 130)
+        sys.exit(code if isinstance(code, int) else 0)
 
     def invoke(self, ctx):
         try:
@@ -120,7 +141,7 @@ def enqueue(ctx, args, use_argv, kind, payload, job_json, jsonl, job_id, max_att
         # queuectl style: `spoolq enqueue '{"command": "sleep 2"}'`. A shell
         # command that is also a JSON object is not a thing (`{ a; }` is not JSON).
         try:
-            if isinstance(json.loads(args[0]), dict):
+            if isinstance(record.loads(args[0]), dict):
                 job_json, args = args[0], ()
         except ValueError:
             pass
@@ -160,8 +181,7 @@ def enqueue(ctx, args, use_argv, kind, payload, job_json, jsonl, job_id, max_att
         if job_id is not None:
             fail("--id cannot apply to many jobs; put an id in each line", 2)
         jobs = list(_read_jsonl(jsonl, options))
-        for jid in spool.enqueue_many(jobs):
-            echo(jid)
+        _print_ids(spool.enqueue_many(jobs))
         return
     if job_json is not None:
         text = sys.stdin.read() if job_json == "-" else job_json
@@ -181,20 +201,46 @@ def enqueue(ctx, args, use_argv, kind, payload, job_json, jsonl, job_id, max_att
         if len(args) != 1:
             fail("give the shell command as one quoted argument, or use --argv -- PROG ARG...", 2)
         fields = {"command": args[0], **options}
-    echo(spool.enqueue_job(fields))
+    _print_ids([spool.enqueue_job(fields)])
+
+
+def _print_ids(ids: list[str]) -> None:
+    """Print the ids of jobs just enqueued. They are in the spool already, so
+    if stdout cannot take them (closed, a full disk) say that, naming them,
+    rather than look like an enqueue that failed and invite a retry."""
+    try:
+        for job_id in ids:
+            echo(job_id)
+    except BrokenPipeError:
+        raise  # the reader went away: the usual quiet exit
+    except OSError as e:
+        which = ids[0] if len(ids) == 1 else f"{len(ids)} jobs, {ids[0]} to {ids[-1]}"
+        fail(f"enqueued {which}, but cannot print the id: {e.strerror or e}", 1)
 
 
 def _read_jsonl(source: str, options: dict[str, Any]):
     try:
-        stream = sys.stdin if source == "-" else open(source, encoding="utf-8")
+        stream = sys.stdin.buffer if source == "-" else open(source, "rb")
     except OSError as e:
         fail(f"cannot read {source}: {e.strerror}", 2)
     with stream:
-        for lineno, line in enumerate(stream, 1):
+        lineno = 0
+        while True:
+            try:
+                raw = stream.readline()
+            except OSError as e:  # e.g. a directory, or a read error
+                fail(f"cannot read {source}: {e.strerror}", 2)
+            if not raw:
+                break
+            lineno += 1
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                fail(f"line {lineno}: not UTF-8 (byte {e.start + 1})", 2)
             if not line.strip():
                 continue
             try:
-                fields = json.loads(line)
+                fields = record.loads(line)
             except ValueError as e:
                 fail(f"line {lineno}: not valid JSON: {e}", 2)
             if not isinstance(fields, dict):
@@ -272,7 +318,15 @@ def _summary(job: dict[str, Any]) -> str:
     line = f"{job['state']:<7} {job['id']:<32} {when:<28} {attempts!s:>3}  {target}"
     if error:
         line += f"  [{error}]"
-    return line
+    return _one_line(line)
+
+
+def _one_line(text: str) -> str:
+    """``text`` with control characters escaped: a file dropped as
+    ``a<newline>b`` must not split its line in output read line by line."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
 @cli.command(name="list")
@@ -330,13 +384,13 @@ def _retry(ctx, job_ids, all_):
         fail("give job ids or --all", 2)
     if all_:
         for jid in spool.retry_all():
-            echo(jid)
+            echo(_one_line(jid))
         return
     problems = 0
     for jid in job_ids:
         try:
             spool.retry(jid, check=True)
-            echo(jid)
+            echo(_one_line(jid))
         except (JobNotFound, NotPossible) as e:
             echo(f"spoolq: {e}", err=True)
             problems += 1

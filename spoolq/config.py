@@ -10,6 +10,8 @@ import math
 import os
 from typing import Any
 
+from .record import MAX_TIMEOUT
+
 DEFAULTS: dict[str, Any] = {
     "max_attempts": 5,
     "backoff_initial": 60,
@@ -45,7 +47,13 @@ class ConfigError(ValueError):
     """A bad key or value; the message says which and why."""
 
 
-def _number(key: str, value: Any, minimum: float, integer: bool = False, above: bool = False) -> int | float:
+# Durations are capped at ten years, as a job's timeout is: a due time or a
+# timer much further out overflows the nanosecond clocks it is kept in.
+MAX_SECONDS = MAX_TIMEOUT
+
+
+def _number(key: str, value: Any, minimum: float, integer: bool = False, above: bool = False,
+            maximum: float | None = None) -> int | float:
     if isinstance(value, str):
         try:
             value = json.loads(value)
@@ -61,6 +69,8 @@ def _number(key: str, value: Any, minimum: float, integer: bool = False, above: 
     if value < minimum or (above and value == minimum):
         op = ">" if above else ">="
         raise ConfigError(f"{key} must be {op} {minimum:g}, not {value!r}")
+    if maximum is not None and value > maximum:
+        raise ConfigError(f"{key} must be <= {maximum:g}, not {value!r}")
     return value
 
 
@@ -105,9 +115,9 @@ def check(key: str, value: Any) -> Any:
     if key == "backoff_factor":
         return _number(key, value, 1)
     if key == "rescan_interval":
-        return _number(key, value, 0, above=True)
+        return _number(key, value, 0, above=True, maximum=MAX_SECONDS)
     if key in ("backoff_initial", "backoff_max", "timeout", "timeout_grace"):
-        return _number(key, value, 0)
+        return _number(key, value, 0, maximum=MAX_SECONDS)
     if key == "fsync":
         return _bool(key, value)
     if key == "trusted_users":

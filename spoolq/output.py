@@ -7,6 +7,7 @@ the click command prints without paying for importing click.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
@@ -17,6 +18,10 @@ def echo(text: str = "", err: bool = False, nl: bool = True) -> None:
     """Print a line, flushed. A string UTF-8 cannot encode (a lone
     surrogate from a job file) is printed with that character escaped."""
     stream = sys.stderr if err else sys.stdout
+    if stream is None:  # started with that descriptor closed (`>&-`)
+        if err:
+            return
+        raise OSError(errno.EBADF, "standard output is closed")
     stream.write(text.encode("utf-8", "backslashreplace").decode("utf-8") + ("\n" if nl else ""))
     stream.flush()
 
@@ -33,7 +38,10 @@ def dumps(obj: Any, **kw: Any) -> str:
 
 def fail(message: str, code: int = 1) -> NoReturn:
     """``spoolq: message`` on stderr, then exit with ``code``."""
-    echo(f"spoolq: {message}", err=True)
+    try:
+        echo(f"spoolq: {message}", err=True)
+    except OSError:
+        pass  # stderr is gone too: the exit code is all that is left
     sys.exit(code)
 
 
@@ -76,8 +84,13 @@ def fail_for(error: BaseException) -> NoReturn:
 
 def require_spool(spool) -> None:
     """Exit 1 with a hint when the spool directory does not exist."""
-    if not spool.dir.exists():
-        fail(f"no spool at {spool.path} (create it with 'spoolq init' or enqueue a job)", 1)
+    if spool.dir.exists():
+        return
+    if os.path.isdir(spool.path):
+        fail(f"{spool.path} is not a spool (no new/ folder); run 'spoolq init'", 1)
+    if os.path.lexists(spool.path):
+        fail(f"{spool.path} exists and is not a directory", 1)
+    fail(f"no spool at {spool.path} (create it with 'spoolq init' or enqueue a job)", 1)
 
 
 def show(spool, job_id: str, as_json: bool) -> None:

@@ -222,12 +222,10 @@ def parse(data: bytes, job_id: str) -> dict:
     if not text.strip():
         raise InvalidJob("empty file")
     try:
-        job = json.loads(text)
+        job = loads(text)
     except json.JSONDecodeError as e:
         raise InvalidJob(f"not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
-    except RecursionError:
-        raise InvalidJob("not valid JSON: nested too deeply") from None
-    except ValueError as e:  # e.g. numbers too large to convert
+    except ValueError as e:  # NaN, numbers too large to convert, nesting
         raise InvalidJob(f"not valid JSON: {e}") from None
     if not isinstance(job, dict):
         raise InvalidJob(f"not a JSON object but {_json_type(job)}")
@@ -248,19 +246,86 @@ def _json_type(v: Any) -> str:
     return "a number"
 
 
-_encoder = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
-_ascii_encoder = json.JSONEncoder(ensure_ascii=True, separators=(",", ":"))
+# Deeper nesting is refused when a job is enqueued and when a file is read:
+# far below where Python's JSON parser gives up (~1,000 levels, less in a
+# deep call stack), so a job enqueue accepts can always be read back by a
+# worker.
+MAX_DEPTH = 256
+
+
+def _not_json(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is too large for a JSON number")
+    return value
+
+
+# Python's json reads and writes NaN and Infinity, which are not JSON (and
+# would make every later reader of the file choke): refused both ways.
+_decoder = json.JSONDecoder(parse_constant=_not_json, parse_float=_finite)
+
+
+def loads(text: str) -> Any:
+    """Strict JSON: no NaN or Infinity, at most MAX_DEPTH levels deep.
+    Raises ValueError (json.JSONDecodeError for a syntax error)."""
+    try:
+        value = _decoder.decode(text)
+    except RecursionError:
+        raise ValueError(f"nested more than {MAX_DEPTH} levels deep") from None
+    if (text.count("[") + text.count("{") > MAX_DEPTH) and _too_deep(value):
+        raise ValueError(f"nested more than {MAX_DEPTH} levels deep")
+    return value
+
+
+def _too_deep(value: Any) -> bool:
+    """Whether lists and objects nest more than MAX_DEPTH levels (no recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children = item.values()
+        elif isinstance(item, (list, tuple)):
+            children = item
+        else:
+            continue
+        if depth > MAX_DEPTH:
+            return True
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list, tuple)))
+    return False
+
+
+_encoder = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+_ascii_encoder = json.JSONEncoder(ensure_ascii=True, separators=(",", ":"), allow_nan=False)
 
 
 def dumps(job: dict) -> bytes:
     """Serialise a record: one line of compact UTF-8 JSON. A string that is
     not valid Unicode (a lone surrogate, which JSON's \\u escapes allow) is
-    written escaped, so every record can be written and read back."""
+    written escaped, so every record can be written and read back. Raises
+    ValueError or TypeError for what is not JSON (NaN, a set)."""
     text = _encoder.encode(job)
     try:
         return (text + "\n").encode("utf-8")
     except UnicodeEncodeError:
         return (_ascii_encoder.encode(job) + "\n").encode("ascii")
+
+
+def serialise(job: dict) -> bytes:
+    """``dumps`` for a job a producer handed us: InvalidJob (with the reason)
+    for anything that is not JSON or nests deeper than MAX_DEPTH."""
+    try:
+        data = dumps(job)
+    except RecursionError:
+        raise InvalidJob(f"nested more than {MAX_DEPTH} levels deep") from None
+    except (TypeError, ValueError) as e:
+        raise InvalidJob(f"not JSON: {e}") from None
+    if data.count(b"[") + data.count(b"{") > MAX_DEPTH and _too_deep(job):
+        raise InvalidJob(f"nested more than {MAX_DEPTH} levels deep")
+    return data
 
 
 def new_job(fields: dict, job_id: str, now: float) -> dict:

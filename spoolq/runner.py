@@ -27,7 +27,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from . import procs
+from . import procs, record
 
 PERMANENT_EXIT = 100
 
@@ -409,7 +409,7 @@ def _json_result(value: Any) -> Any:
     """The handler's return value as stored JSON, or raise TypeError/ValueError."""
     if value is None or isinstance(value, (str, bool, int)):
         return value
-    return json.loads(json.dumps(value, allow_nan=False))
+    return record.loads(json.dumps(value, allow_nan=False))
 
 
 def call_handler(handler: Callable[[Any], Any] | None, job: dict, limits: Limits, handle: RunHandle) -> Outcome:
@@ -446,6 +446,8 @@ def _call_into(out: Outcome, handler, job: dict, limits: Limits) -> None:
         return
     try:
         out.result = _json_result(value)
+    except RecursionError:
+        out.error = f"the handler returned a value nested more than {record.MAX_DEPTH} levels deep"
     except (TypeError, ValueError) as e:
         out.error = f"the handler returned a value that is not JSON: {type(value).__name__} ({e})"
 

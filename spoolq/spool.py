@@ -16,7 +16,7 @@ import time
 from typing import Any, Callable, Iterator, Mapping
 
 from . import config, record
-from .protocol import STATES, Exists, NotRegular, SpoolDir, file_name, id_of, id_problem, new_id
+from .protocol import STATES, Exists, NotRegular, SpoolDir, SpoolError, file_name, id_of, id_problem, new_id
 from .record import InvalidJob
 
 _UNSET = object()
@@ -52,7 +52,12 @@ class Spool:
     def settings(self) -> dict[str, Any]:
         """The spool's settings (config.json over the defaults)."""
         if self._settings is None:
-            self._settings = config.load(self.path)
+            try:
+                self._settings = config.load(self.path)
+            except config.ConfigError:
+                if os.path.lexists(self.path) and not os.path.isdir(self.path):
+                    raise SpoolError(f"{self.path} exists and is not a directory") from None
+                raise
             self.dir.fsync = bool(self._settings["fsync"])
         return self._settings
 
@@ -114,14 +119,15 @@ class Spool:
             if when > now:
                 mtime_ns = int(when * 1e9)
         job = record.new_job(fields, job_id, now)
-        data = record.dumps(job)
+        data = record.serialise(job)
         limit = int(self.settings["max_job_bytes"])
         if len(data) > limit:
             raise InvalidJob(f"the job is {len(data)} bytes, larger than max_job_bytes ({limit})")
         return job_id, data, mtime_ns
 
     def _check_unique(self, job_id: str) -> None:
-        where = self.dir.find((file_name(job_id),))
+        # A file dropped by hand may have the id as its whole name.
+        where = self.dir.find((file_name(job_id), job_id))
         if where is not None:
             raise DuplicateId(f"id {job_id} is already in {where[0]}/")
         if self._index_has(job_id):
@@ -459,6 +465,8 @@ def load_app(spec: str) -> dict[str, Callable[[Any], Any]]:
         module = importlib.import_module(module_name)
     except ImportError as e:
         raise ValueError(f"cannot import {module_name}: {e}") from None
+    except Exception as e:  # the module itself fails as it is imported
+        raise ValueError(f"importing {module_name} failed: {type(e).__name__}: {e}") from None
     obj: Any = module
     for part in attr.split("."):
         try:
@@ -466,7 +474,12 @@ def load_app(spec: str) -> dict[str, Callable[[Any], Any]]:
         except AttributeError:
             raise ValueError(f"{module_name} has no attribute {attr}") from None
     if callable(obj) and not isinstance(obj, Mapping):
-        obj = obj()
+        # A factory returning the mapping.
+        try:
+            obj = obj()
+        except Exception as e:
+            raise ValueError(f"{spec} is callable, so it was called for the handlers, and failed: "
+                             f"{type(e).__name__}: {e}") from None
     if not isinstance(obj, Mapping):
         raise ValueError(f"{spec} must be a mapping of kind to handler, not {type(obj).__name__}")
     bad = [k for k, v in obj.items() if not callable(v)]

@@ -154,7 +154,13 @@ def dead_reason(ctx: Context, folder: str, name: str) -> str | None:
 
 
 def quarantine(ctx: Context, held: Held, reason: str) -> str:
-    """Move a file that can never run to dead/, bytes unchanged."""
+    """Move a file that can never run to dead/, bytes unchanged. Its mtime
+    becomes now, as for every job that dies: dead/ is listed and purged
+    by the time each file got there."""
+    try:
+        held.set_mtime(time.time_ns())
+    except OSError:
+        pass  # another user's file we may not touch: it keeps its own time
     name = held.move("dead")
     held.release()
     return name
@@ -474,6 +480,8 @@ def retry(ctx: Context, job_id: str) -> None:
         where = locate(ctx, job_id)
         if where is None:
             raise JobNotFound(f"no job {job_id} in dead/")
+        if where[0] == "dead":
+            raise NotPossible(f"dead/{where[1]} is not a regular file, so not a job to retry; move or remove it by hand")
         raise NotPossible(f"job {job_id} is in {where[0]}/, not dead/")
     try:
         _retry_held(ctx, held)

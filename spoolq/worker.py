@@ -64,7 +64,7 @@ class Log:
         self._lock = threading.RLock()
 
     def line(self, text: str, level: int = 1) -> None:
-        if level > self.level:
+        if level > self.level or self.stream is None:  # None: started with stderr closed
             return
         stamp = rfc3339()[:23] + "Z"
         with self._lock:

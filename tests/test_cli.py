@@ -152,13 +152,23 @@ def test_usage_errors_exit_2_with_one_line(spool):
         ["config", "set", "no_such_key", "1"],
         ["config", "get", "no_such_key"],
         ["retry"],
+        ["show"],
+        ["bogus"],
+        ["compact", "--keep", "1x"],
+        ["list", "--limit", "-1"],
     ]
     for args in cases:
         proc = spool.run(*args, check=False)
         assert proc.returncode == 2, (args, proc.returncode, proc.stderr)
         assert "Traceback" not in proc.stderr, args
-        assert proc.stderr.strip(), args
+        # click's own errors too: one line, not usage + hint + error.
+        assert proc.stderr.startswith("spoolq: ") and proc.stderr.count("\n") == 1, (args, proc.stderr)
+    assert "see 'spoolq list --help'" in spool.run("list", "--state", "bogus", check=False).stderr
     assert spool.ids("new") == []
+    # Help is still help, and plain `spoolq` still shows it (exit 2, as click does).
+    assert spool.run("enqueue", "--help").stdout.startswith("Usage: spoolq enqueue")
+    bare = subprocess.run(SPOOLQ, capture_output=True, text=True, timeout=60)
+    assert bare.returncode == 2 and bare.stderr.startswith("Usage: spoolq")
 
 
 def test_requests_that_cannot_be_done_exit_1(spool):
@@ -173,6 +183,63 @@ def test_commands_on_a_missing_spool_say_so(tmp_path):
     for args in (["status"], ["list"], ["show", "x"], ["sweep"]):
         proc = s.run(*args, check=False)
         assert proc.returncode == 1 and "no spool" in proc.stderr, args
+
+
+def test_a_spool_path_that_is_a_file_or_not_a_spool_says_which(tmp_path):
+    """Regression (audit): a file as the spool gave 'cannot read
+    FILE/config.json: Not a directory' (exit 2); a spool without new/ was
+    called missing."""
+    afile = tmp_path / "afile"
+    afile.write_text("keep me")
+    s = SpoolFixture(afile)
+    for args in (["enqueue", "true"], ["status"], ["list"], ["work"], ["config", "list"]):
+        proc = s.run(*args, check=False)
+        assert proc.returncode == 1 and proc.stderr == f"spoolq: {afile} exists and is not a directory\n", (args, proc.stderr)
+    assert afile.read_text() == "keep me"
+    s = SpoolFixture(tmp_path / "spool")
+    s.run("init")
+    os.rmdir(s.path / "new")
+    for args in (["status"], ["list"]):
+        proc = s.run(*args, check=False)
+        assert proc.returncode == 1 and "is not a spool (no new/ folder); run 'spoolq init'" in proc.stderr, args
+
+
+def test_enqueue_says_the_job_is_in_when_stdout_cannot_take_its_id(spool):
+    """Regression (audit): with stdout closed or full, enqueue queued the job
+    and then failed with 'internal error'; a producer retrying that would
+    queue it twice."""
+    for redirect in (">&-", "> /dev/full"):
+        proc = subprocess.run(["/bin/sh", "-c", f'"$@" -s "$SPOOL" enqueue true {redirect}', "sh", *SPOOLQ],
+                              capture_output=True, text=True, timeout=60, env=dict(os.environ, SPOOL=str(spool.path)))
+        assert proc.returncode == 1, (redirect, proc.stderr)
+        assert proc.stderr.startswith("spoolq: enqueued ") and "but cannot print the id" in proc.stderr, proc.stderr
+        assert proc.stderr.count("\n") == 1
+        job_id = proc.stderr.split()[2].rstrip(",")
+        assert spool.where(job_id) == ["new"]
+    assert len(spool.ids("new")) == 2
+
+
+def test_odd_names_cannot_break_line_output(fast_spool):
+    """Regression (audit): a dropped file named with a newline split its line
+    in `list` and `retry --all` output."""
+    s = fast_spool
+    s.drop("a\nb.json", '{"command": "true"}')
+    s.work()
+    assert s.names("dead") == ["a\nb.json"]
+    lines = s.run("list").stdout.splitlines()
+    assert len(lines) == 1 and "a\\nb" in lines[0]
+    retried = s.run("retry", "--all").stdout.splitlines()
+    assert retried == ["a\\nb"]
+
+
+def test_retry_of_an_entry_in_dead_that_is_not_a_file_says_so(fast_spool):
+    s = fast_spool
+    (s.path / "new" / "dirjob").mkdir()
+    s.work()
+    assert s.names("dead") == ["dirjob"]
+    proc = s.run("retry", "dirjob", check=False)
+    assert proc.returncode == 1
+    assert proc.stderr == "spoolq: dead/dirjob is not a regular file, so not a job to retry; move or remove it by hand\n"
 
 
 def test_status_list_and_show(fast_spool):
@@ -306,3 +373,14 @@ def test_show_of_a_hostile_id_says_why_on_one_line(spool):
         proc = spool.run("show", job_id, check=False)
         assert proc.returncode == 1 and len(proc.stderr.splitlines()) == 1, job_id
         assert proc.stderr.startswith("spoolq: id ") and proc.stdout == ""
+
+
+def test_a_worker_started_with_stdout_and_stderr_closed_still_works(spool):
+    """Regression (audit follow-up): logging to a closed stderr made `work`
+    exit 1 after it had run the jobs."""
+    spool.enqueue("--id", "ok", "true")
+    spool.enqueue("--id", "bad", "--max-attempts", "1", "exit 3")
+    proc = subprocess.run(["/bin/sh", "-c", '"$@" -s "$SPOOL" work >&- 2>&-', "sh", *SPOOLQ],
+                          capture_output=True, text=True, timeout=60, env=dict(os.environ, SPOOL=str(spool.path)))
+    assert proc.returncode == 0
+    assert spool.where("ok") == ["done"] and spool.where("bad") == ["dead"]

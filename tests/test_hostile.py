@@ -9,6 +9,8 @@ import pwd
 import shutil
 import stat
 import subprocess
+import sys
+import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -241,3 +243,112 @@ def test_a_big_record_does_not_inflate_later_ones(spool):
     assert os.path.getsize(s.path / "done" / f"{big}.json") > 150000
     for job_id in small:
         assert os.path.getsize(s.path / "done" / f"{job_id}.json") < 8192
+
+
+def test_an_id_a_dropped_file_has_as_its_whole_name_is_refused_on_enqueue(fast_spool):
+    """Regression (audit): enqueue looked only for <id>.json, so a job
+    dropped as plain `x` lost its id to a later enqueue."""
+    s = fast_spool
+    s.drop("x", '{"command": "echo dropped"}')
+    proc = s.run("enqueue", "--id", "x", "echo enqueued", check=False)
+    assert proc.returncode == 1 and "already in new/" in proc.stderr
+    assert s.names("new") == ["x"]
+    s.work()
+    assert s.show("x")["stdout"] == "dropped\n" and s.names("dead") == []
+
+
+def test_values_that_are_not_json_are_refused_and_never_written(fast_spool, tmp_path):
+    """Regression (audit): NaN, Infinity and too-deep nesting were written to
+    job files (invalid JSON for every later reader) or accepted by enqueue and
+    then killed by the worker."""
+    s = fast_spool
+    deep = "[" * 300 + "]" * 300
+    cases = [
+        ("--payload", "NaN"), ("--payload", "1e999"), ("--payload", "-Infinity"), ("--payload", deep),
+        ("--payload", "[" * 5000 + "]" * 5000),
+    ]
+    for option, value in cases:
+        proc = s.run("enqueue", "--kind", "k", option, value, check=False)
+        assert proc.returncode == 2, (value[:20], proc.stderr)
+        assert proc.stderr.count("\n") == 1 and "internal error" not in proc.stderr, proc.stderr
+    for text in ('{"command": "true", "payload": NaN}', '{"command": "true", "payload": ' + deep + "}",
+                 '{"command": "true", "x": ' + "[" * 5000 + "]" * 5000 + "}"):
+        for args, stdin in ((["--json", "-"], text), (["--jsonl", "-"], text + "\n")):
+            proc = s.run("enqueue", *args, input=stdin, check=False)
+            assert proc.returncode == 2 and "internal error" not in proc.stderr, proc.stderr
+            assert proc.stderr.count("\n") == 1
+    # Just inside the limit is fine, and the worker reads it back.
+    ok = "[" * 250 + "]" * 250
+    s.enqueue("--id", "deep-ok", "--payload", ok, "true")
+    assert s.ids("new") == ["deep-ok"]
+    # Through the API: InvalidJob, not TypeError or ValueError.
+    script = tmp_path / "api.py"
+    script.write_text(
+        "import sys\n"
+        "from spoolq import Spool, InvalidJob\n"
+        "q = Spool(sys.argv[1])\n"
+        "for payload in (float('nan'), float('inf'), {1, 2}, object()):\n"
+        "    try:\n"
+        "        q.enqueue(command='true', payload=payload)\n"
+        "    except InvalidJob as e:\n"
+        "        print('refused', e)\n"
+    )
+    out = subprocess.run([sys.executable, str(script), str(s.path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.count("refused") == 4, out.stderr
+    # A dropped file with them is invalid: dead, bytes unchanged, with the reason.
+    raw = b'{"command": "true", "payload": [1, NaN, Infinity]}'
+    s.drop("nan.json", raw)
+    s.drop("deep.json", '{"command": "true", "payload": ' + deep + "}")
+    s.work()
+    assert (s.path / "dead" / "nan.json").read_bytes() == raw
+    assert "NaN is not a JSON value" in s.show("nan")["error"]
+    assert "nested more than 256" in s.show("deep")["error"]
+    assert s.where("deep-ok") == ["done"]
+    for line in s.run("list", "--json").stdout.splitlines():
+        json.loads(line, parse_constant=lambda name: pytest.fail(f"{name} in list --json"))
+
+
+def test_bad_input_files_and_apps_are_usage_errors_not_internal_ones(fast_spool, tmp_path):
+    """Regression (audit): these said 'internal error' and exited 1."""
+    s = fast_spool
+    binary = tmp_path / "jobs.jsonl"
+    binary.write_bytes(b'{"command": "true"}\n\xff\xfe{"command": "true"}\n')
+    proc = s.run("enqueue", "--jsonl", str(binary), check=False)
+    assert proc.returncode == 2 and proc.stderr == "spoolq: line 2: not UTF-8 (byte 1)\n"
+    proc = s.run("enqueue", "--jsonl", str(tmp_path), check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "cannot read" in proc.stderr
+    assert s.ids("new") == []  # nothing of a bad batch is enqueued
+    (tmp_path / "broken_app.py").write_text("raise RuntimeError('no database')\n")
+    for app, words in (("json:dumps", "json:dumps is callable"), ("broken_app:HANDLERS", "RuntimeError: no database")):
+        proc = s.run("work", "--app", app, cwd=str(tmp_path), check=False)
+        assert proc.returncode == 2 and words in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+        assert "internal error" not in proc.stderr
+
+
+def test_duration_settings_are_capped_so_a_retry_cannot_overflow(fast_spool):
+    """Regression (audit): backoff_max 1e300 was accepted, then the worker
+    could not record a failure (an mtime 1e300 s away overflows)."""
+    s = fast_spool
+    for key in ("backoff_initial", "backoff_max", "timeout", "timeout_grace", "rescan_interval"):
+        proc = s.run("config", "set", key, "1e300", check=False)
+        assert proc.returncode == 2 and "<= 3.1536e+08" in proc.stderr, proc.stderr
+    s.config("backoff_initial", 315360000)
+    s.config("backoff_max", 315360000)
+    s.config("backoff_factor", 1e300)
+    s.enqueue("--id", "fails", "--max-attempts", "3", "exit 1")
+    proc = s.work(check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert s.where("fails") == ["failed"]
+    assert (s.path / "failed" / "fails.json").stat().st_mtime > time.time() + 9 * 365 * 86400
+
+
+def test_an_invalid_file_gets_the_time_it_died(fast_spool):
+    """Regression (audit): an invalid dropped file kept its old mtime in
+    dead/, so it listed as the oldest and `purge --older-than` took it at once."""
+    s = fast_spool
+    path = s.drop("old-and-bad.json", "not json")
+    os.utime(path, (1_000_000_000, 1_000_000_000))
+    s.work()
+    assert s.names("dead") == ["old-and-bad.json"]
+    assert abs((s.path / "dead" / "old-and-bad.json").stat().st_mtime - time.time()) < 60
+    assert (s.path / "dead" / "old-and-bad.json").read_bytes() == b"not json"

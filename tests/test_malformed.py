@@ -35,8 +35,11 @@ BAD_FILES = {
     "id-hidden": (b'{"command": "true", "id": ".hidden"}', "starts with a dot"),
     "cwd-type": (b'{"command": "true", "cwd": 7}', "cwd must be"),
     "nul-in-command": (b'{"command": "tr\\u0000ue"}', "NUL"),
-    "nan": (b'{"command": "true", "timeout": NaN}', "timeout"),
-    "deep": (b"[" * 100000 + b"]" * 100000, "nested too deeply"),
+    "nan": (b'{"command": "true", "timeout": NaN}', "NaN is not a JSON value"),
+    "infinite": (b'{"command": "true", "payload": [1e999]}', "1e999 is too large for a JSON number"),
+    "deep": (b"[" * 100000 + b"]" * 100000, "nested more than 256 levels deep"),
+    "deep-but-parsable": (b'{"command": "true", "payload": ' + b"[" * 300 + b"]" * 300 + b"}",
+                          "nested more than 256 levels deep"),
     "attempts-type": (b'{"command": "true", "attempts": "many"}', "attempts"),
 }
 
