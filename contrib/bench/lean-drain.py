@@ -1,0 +1,83 @@
+#!/usr/bin/env python3
+"""How fast could a drain be in Python on this design at all?
+
+Usage: lean-drain.py SCRATCH_DIR [N] [ROUNDS]   (default 10000 jobs, 3 rounds)
+
+Each round fills two spools in SCRATCH_DIR with N no-op handler jobs (fsync
+off), then drains one with a hand-written loop that does only what a drain
+must: open, flock, fstat, read, parse and check the record, stat the name,
+rename into cur/, call the handler, write the record back with its history,
+rename into done/, close. It skips everything spoolq adds around that
+(registration, look-ahead, group commit, error handling, logging). The other
+spool is drained by spoolq's own worker. Prints both costs per job.
+Removes nothing; delete SCRATCH_DIR afterwards.
+"""
+
+import fcntl
+import os
+import sys
+import time
+
+from spoolq import Spool, record
+from spoolq.protocol import rename_noreplace
+
+
+def fill(path: str, n: int) -> Spool:
+    spool = Spool(path)
+    spool.init()
+    spool.config_set("fsync", False)
+    spool.config_set("compact_after", 0)
+    for start in range(0, n, 10000):
+        spool.enqueue_many([{"kind": "noop"}] * min(10000, n - start))
+    return spool
+
+
+def lean_drain(path: str) -> tuple[int, float]:
+    new, cur, done = (os.open(os.path.join(path, sub), os.O_RDONLY | os.O_DIRECTORY) for sub in ("new", "cur", "done"))
+    names = sorted(entry.name for entry in os.scandir(new))
+    handlers = {"noop": lambda payload: None}
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    start = time.perf_counter()
+    for name in names:
+        fd = os.open(name, flags, dir_fd=new)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        st = os.fstat(fd)
+        job = record.parse(os.pread(fd, st.st_size + 1, 0), name[:-5])
+        os.stat(name, dir_fd=new, follow_symlinks=False)
+        rename_noreplace(new, name, cur, name)
+        began = time.time()
+        result = handlers[job["kind"]](job.get("payload"))
+        ended = time.time()
+        attempt = job.get("attempts", 0) + 1
+        history = job.get("history") or []
+        history.append({"attempt": attempt, "worker": "lean", "due": record.rfc3339(st.st_mtime_ns / 1e9),
+                        "start": record.rfc3339(began), "end": record.rfc3339(ended)})
+        job.update(history=history, attempts=attempt, state="done", result=result, outcome="succeeded",
+                   finished_at=record.rfc3339(ended))
+        os.pwrite(fd, record.dumps(job), 0)
+        rename_noreplace(cur, name, done, name)
+        os.close(fd)
+    seconds = time.perf_counter() - start
+    for fd in (new, cur, done):
+        os.close(fd)
+    return len(names), seconds
+
+
+def main() -> None:
+    root = sys.argv[1]
+    n = int(sys.argv[2]) if len(sys.argv) > 2 else 10000
+    rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 3
+    os.makedirs(root, exist_ok=True)
+    for r in range(rounds):
+        lean_path, worker_path = os.path.join(root, f"lean-{r}"), os.path.join(root, f"worker-{r}")
+        fill(lean_path, n)
+        spool = fill(worker_path, n)
+        ran, lean = lean_drain(lean_path)
+        start = time.perf_counter()
+        worked = spool.work(handlers={"noop": lambda payload: None}, signals=False)
+        drain = time.perf_counter() - start
+        print(f"round {r + 1}: lean loop {lean / ran * 1e6:.1f} us/job, spoolq worker {drain / worked * 1e6:.1f} us/job")
+
+
+if __name__ == "__main__":
+    main()
