@@ -56,3 +56,20 @@ def test_the_crontab_line_runs_jobs(fast_spool, tmp_path):
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout == "" and proc.stderr == ""  # cron mails nothing
     assert done.exists() and fast_spool.where(job_id) == ["done"]
+
+
+@pytest.mark.parametrize("script, args", [("big-folder.py", ["300"]), ("lean-drain.py", ["300", "1"])])
+def test_the_bench_scripts_run_and_report(tmp_path, script, args):
+    """contrib/bench scripts behind README figures still run (tiny sizes;
+    their figures are only printed, never asserted)."""
+    import sys
+
+    proc = subprocess.run([sys.executable, str(ROOT / "contrib" / "bench" / script), str(tmp_path / "scratch"), *args],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "us" in proc.stdout and proc.stdout.strip()
+    if script == "lean-drain.py":
+        # Both drains ran every job: nothing left waiting in either spool.
+        assert os.listdir(tmp_path / "scratch" / "lean-0" / "new") == []
+        assert os.listdir(tmp_path / "scratch" / "worker-0" / "new") == []
+        assert len(os.listdir(tmp_path / "scratch" / "lean-0" / "done")) == 300
