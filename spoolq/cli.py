@@ -140,10 +140,12 @@ def enqueue(ctx, args, use_argv, kind, payload, job_json, jsonl, job_id, max_att
     if len(args) == 1 and not use_argv and job_json is None and args[0].lstrip().startswith("{"):
         # queuectl style: `spoolq enqueue '{"command": "sleep 2"}'`. A shell
         # command that is also a JSON object is not a thing (`{ a; }` is not JSON).
+        # Lenient here (NaN, any depth), so that an object with a bad value
+        # is refused as --json would refuse it, not run as a shell command.
         try:
-            if isinstance(record.loads(args[0]), dict):
+            if isinstance(json.loads(args[0]), dict):
                 job_json, args = args[0], ()
-        except ValueError:
+        except (ValueError, RecursionError):
             pass
     forms = [bool(args) and not use_argv, use_argv, kind is not None, job_json is not None, jsonl is not None]
     if sum(forms) != 1:
@@ -184,6 +186,8 @@ def enqueue(ctx, args, use_argv, kind, payload, job_json, jsonl, job_id, max_att
         _print_ids(spool.enqueue_many(jobs))
         return
     if job_json is not None:
+        if job_json == "-" and sys.stdin is None:
+            fail("standard input is closed", 2)
         text = sys.stdin.read() if job_json == "-" else job_json
         fields = _json_arg(text, "--json")
         if not isinstance(fields, dict):
@@ -219,6 +223,8 @@ def _print_ids(ids: list[str]) -> None:
 
 
 def _read_jsonl(source: str, options: dict[str, Any]):
+    if source == "-" and sys.stdin is None:
+        fail("standard input is closed", 2)
     try:
         stream = sys.stdin.buffer if source == "-" else open(source, "rb")
     except OSError as e:

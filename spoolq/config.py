@@ -53,7 +53,7 @@ MAX_SECONDS = MAX_TIMEOUT
 
 
 def _number(key: str, value: Any, minimum: float, integer: bool = False, above: bool = False,
-            maximum: float | None = None) -> int | float:
+            maximum: float | None = None, clamp: bool = False) -> int | float:
     if isinstance(value, str):
         try:
             value = json.loads(value)
@@ -70,6 +70,8 @@ def _number(key: str, value: Any, minimum: float, integer: bool = False, above: 
         op = ">" if above else ">="
         raise ConfigError(f"{key} must be {op} {minimum:g}, not {value!r}")
     if maximum is not None and value > maximum:
+        if clamp:
+            return maximum
         raise ConfigError(f"{key} must be <= {maximum:g}, not {value!r}")
     return value
 
@@ -101,8 +103,10 @@ def _users(key: str, value: Any) -> list[str]:
     return [str(u) for u in value]
 
 
-def check(key: str, value: Any) -> Any:
-    """Validate one setting and return it in its stored type."""
+def check(key: str, value: Any, stored: bool = False) -> Any:
+    """Validate one setting and return it in its stored type. ``stored``:
+    read from config.json, where a duration beyond the cap (written before
+    there was one) is taken as the cap rather than refused."""
     if key not in DEFAULTS:
         known = ", ".join(sorted(DEFAULTS))
         raise ConfigError(f"unknown setting {key!r} (known: {known})")
@@ -115,9 +119,9 @@ def check(key: str, value: Any) -> Any:
     if key == "backoff_factor":
         return _number(key, value, 1)
     if key == "rescan_interval":
-        return _number(key, value, 0, above=True, maximum=MAX_SECONDS)
+        return _number(key, value, 0, above=True, maximum=MAX_SECONDS, clamp=stored)
     if key in ("backoff_initial", "backoff_max", "timeout", "timeout_grace"):
-        return _number(key, value, 0, maximum=MAX_SECONDS)
+        return _number(key, value, 0, maximum=MAX_SECONDS, clamp=stored)
     if key == "fsync":
         return _bool(key, value)
     if key == "trusted_users":
@@ -145,7 +149,7 @@ def load(root: str) -> dict[str, Any]:
         raise ConfigError(f"{path} must hold a JSON object")
     for key, value in stored.items():
         try:
-            settings[key] = check(key, value)
+            settings[key] = check(key, value, stored=True)
         except ConfigError as e:
             raise ConfigError(f"{path}: {e}") from None
     return settings

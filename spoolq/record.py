@@ -269,20 +269,20 @@ def _finite(text: str) -> float:
 _decoder = json.JSONDecoder(parse_constant=_not_json, parse_float=_finite)
 
 
-def loads(text: str) -> Any:
-    """Strict JSON: no NaN or Infinity, at most MAX_DEPTH levels deep.
+def loads(text: str, max_depth: int = MAX_DEPTH) -> Any:
+    """Strict JSON: no NaN or Infinity, at most ``max_depth`` levels deep.
     Raises ValueError (json.JSONDecodeError for a syntax error)."""
     try:
         value = _decoder.decode(text)
     except RecursionError:
-        raise ValueError(f"nested more than {MAX_DEPTH} levels deep") from None
-    if (text.count("[") + text.count("{") > MAX_DEPTH) and _too_deep(value):
-        raise ValueError(f"nested more than {MAX_DEPTH} levels deep")
+        raise ValueError(f"nested more than {max_depth} levels deep") from None
+    if (text.count("[") + text.count("{") > max_depth) and _too_deep(value, max_depth):
+        raise ValueError(f"nested more than {max_depth} levels deep")
     return value
 
 
-def _too_deep(value: Any) -> bool:
-    """Whether lists and objects nest more than MAX_DEPTH levels (no recursion)."""
+def _too_deep(value: Any, max_depth: int = MAX_DEPTH) -> bool:
+    """Whether lists and objects nest more than ``max_depth`` levels (no recursion)."""
     stack = [(value, 1)]
     while stack:
         item, depth = stack.pop()
@@ -292,7 +292,7 @@ def _too_deep(value: Any) -> bool:
             children = item
         else:
             continue
-        if depth > MAX_DEPTH:
+        if depth > max_depth:
             return True
         stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list, tuple)))
     return False

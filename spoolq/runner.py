@@ -409,7 +409,8 @@ def _json_result(value: Any) -> Any:
     """The handler's return value as stored JSON, or raise TypeError/ValueError."""
     if value is None or isinstance(value, (str, bool, int)):
         return value
-    return record.loads(json.dumps(value, allow_nan=False))
+    # Stored inside the record, one level down: the whole must stay readable.
+    return record.loads(json.dumps(value, allow_nan=False), max_depth=record.MAX_DEPTH - 1)
 
 
 def call_handler(handler: Callable[[Any], Any] | None, job: dict, limits: Limits, handle: RunHandle) -> Outcome:
@@ -447,7 +448,7 @@ def _call_into(out: Outcome, handler, job: dict, limits: Limits) -> None:
     try:
         out.result = _json_result(value)
     except RecursionError:
-        out.error = f"the handler returned a value nested more than {record.MAX_DEPTH} levels deep"
+        out.error = f"the handler returned a value nested more than {record.MAX_DEPTH - 1} levels deep"
     except (TypeError, ValueError) as e:
         out.error = f"the handler returned a value that is not JSON: {type(value).__name__} ({e})"
 

@@ -69,7 +69,13 @@ class Spool:
     def config_set(self, key: str, value: Any) -> Any:
         """Validate and store one setting; returns the stored value."""
         checked = config.check(key, value)
-        self._open(create=True)
+        try:
+            self._open(create=True)
+        except config.ConfigError:
+            # A bad value in config.json is what may be being repaired: open
+            # the folders without the settings (the file is then written
+            # with fsync, the default).
+            self.dir.open(create=True)
         stored = config.read_stored(self.path)
         stored[key] = checked
         self.dir.replace_file(None, "config.json", config.dumps(stored), mode=0o664 if self.dir.shared else 0o600)

@@ -481,7 +481,13 @@ def retry(ctx: Context, job_id: str) -> None:
         if where is None:
             raise JobNotFound(f"no job {job_id} in dead/")
         if where[0] == "dead":
-            raise NotPossible(f"dead/{where[1]} is not a regular file, so not a job to retry; move or remove it by hand")
+            try:
+                regular = stat.S_ISREG(ctx.spool.lstat("dead", where[1]).st_mode)
+            except FileNotFoundError:
+                regular = True
+            if not regular:
+                raise NotPossible(f"dead/{where[1]} is not a regular file, so not a job to retry; move or remove it by hand")
+            raise NotPossible(f"job {job_id} is moving (it just reached dead/); try again")
         raise NotPossible(f"job {job_id} is in {where[0]}/, not dead/")
     try:
         _retry_held(ctx, held)

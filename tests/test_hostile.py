@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import STATES, SpoolFixture
+from conftest import SPOOLQ, STATES, SpoolFixture
 
 # -- property-based ----------------------------------------------------------
 
@@ -352,3 +352,62 @@ def test_an_invalid_file_gets_the_time_it_died(fast_spool):
     assert s.names("dead") == ["old-and-bad.json"]
     assert abs((s.path / "dead" / "old-and-bad.json").stat().st_mtime - time.time()) < 60
     assert (s.path / "dead" / "old-and-bad.json").read_bytes() == b"not json"
+
+
+def test_a_result_nests_one_level_less_than_a_record_and_stays_readable(fast_spool, tmp_path):
+    """Regression (review): a result 256 deep made a done/ record 257 deep,
+    which spoolq then refused to read (show, list, compact, recovery)."""
+    s = fast_spool
+    (tmp_path / "nest_app.py").write_text(
+        "def nest(n):\n"
+        "    value = []\n"
+        "    for _ in range(n - 1):\n"
+        "        value = [value]\n"
+        "    return value\n"
+        "HANDLERS = {'nest': lambda payload: nest(payload['depth'])}\n"
+    )
+    s.enqueue("--kind", "nest", "--id", "ok", "--payload", '{"depth": 255}')
+    s.enqueue("--kind", "nest", "--id", "deep", "--max-attempts", "1", "--payload", '{"depth": 256}')
+    s.run("work", "--app", "nest_app:HANDLERS", cwd=str(tmp_path))
+    ok = s.show("ok")
+    assert ok["state"] == "done" and json.dumps(ok["result"]).count("[") == 255
+    deep = s.show("deep")
+    assert deep["state"] == "dead" and "nested more than 255 levels deep" in deep["error"]
+    assert "result" not in deep
+    assert json.loads(s.run("compact", "--json").stdout)["folded"] == 1  # done/ only; dead/ stays
+    assert s.names("done") == [] and s.show("ok")["result"] == ok["result"]
+
+
+def test_an_object_with_a_bad_value_as_the_argument_is_refused_not_run_by_sh(fast_spool):
+    """Regression (review): `spoolq enqueue '{... NaN}'` fell through to being
+    a shell command (exit 0) once the object shortcut parsed strictly."""
+    s = fast_spool
+    for text in ('{"command": "echo hi", "payload": {"x": NaN}}', '{"command": "true", "x": 1e999}'):
+        proc = s.run("enqueue", text, check=False)
+        assert proc.returncode == 2 and "not valid JSON" in proc.stderr, proc.stderr
+    assert s.ids("new") == []
+
+
+def test_enqueue_from_a_closed_stdin_is_a_usage_error(fast_spool):
+    s = fast_spool
+    for args in ("--jsonl -", "--json -"):
+        proc = subprocess.run(["/bin/sh", "-c", f'"$@" -s "$SPOOL" enqueue {args} <&-', "sh", *SPOOLQ],
+                              capture_output=True, text=True, timeout=60, env=dict(os.environ, SPOOL=str(s.path)))
+        assert proc.returncode == 2 and proc.stderr == "spoolq: standard input is closed\n", proc.stderr
+    assert s.ids("new") == []
+
+
+def test_a_config_file_from_before_the_caps_still_works_and_a_bad_one_can_be_repaired(fast_spool):
+    """Regression (review): a stored backoff_max above ten years (fine before
+    the cap) stopped every command; a bad value could only be fixed by hand."""
+    s = fast_spool
+    path = s.path / "config.json"
+    stored = json.loads(path.read_text())
+    path.write_text(json.dumps(dict(stored, backoff_max=1_000_000_000)))
+    assert s.status()["new"] == 0
+    assert s.run("config", "get", "backoff_max").stdout.strip() == "315360000"
+    path.write_text(json.dumps(dict(stored, max_attempts=0)))
+    proc = s.run("status", check=False)
+    assert proc.returncode == 2 and "max_attempts must be >= 1" in proc.stderr
+    s.run("config", "set", "max_attempts", "3")
+    assert s.status()["new"] == 0 and json.loads(path.read_text())["max_attempts"] == 3
