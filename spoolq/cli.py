@@ -295,6 +295,8 @@ def work(ctx, jobs, max_jobs, max_time, app, watch, poll, quiet, verbose):
 @click.pass_context
 def status(ctx, as_json, prometheus):
     """Jobs per state and the live workers."""
+    if as_json and prometheus:
+        fail("give --json or --prometheus, not both", 2)
     spool = _existing(ctx)
     if prometheus:
         from .metrics import prometheus_text

@@ -52,11 +52,11 @@ def fail_for(error: BaseException) -> NoReturn:
     1: the request could not be done; 2: invalid input or settings;
     130: interrupted; 141: the reader of stdout went away."""
     from . import config
-    from .protocol import SpoolError
+    from .protocol import NoSuchGroup, SpoolError
     from .record import InvalidJob
     from .spool import DuplicateId
 
-    if isinstance(error, (InvalidJob, config.ConfigError)):
+    if isinstance(error, (InvalidJob, config.ConfigError, NoSuchGroup)):
         fail(str(error), 2)
     if isinstance(error, (DuplicateId, SpoolError)):
         fail(str(error), 1)

@@ -59,6 +59,10 @@ class NotRegular(Exception):
         self.kind = kind
 
 
+class NoSuchGroup(ValueError):
+    """``init --group`` names a group this system does not have (invalid input)."""
+
+
 class Exists(Exception):
     """The destination name is taken."""
 
@@ -321,7 +325,7 @@ class SpoolDir:
                 try:
                     gid = grp.getgrgid(int(group)).gr_gid
                 except (KeyError, ValueError):
-                    raise SpoolError(f"no such group: {group}") from None
+                    raise NoSuchGroup(f"--group: no such group: {group}") from None
         mode = 0o2770 if group is not None else 0o700
         for folder in ("",) + FOLDERS:
             path = self.path(folder) if folder else self.root

@@ -156,6 +156,8 @@ def test_usage_errors_exit_2_with_one_line(spool):
         ["bogus"],
         ["compact", "--keep", "1x"],
         ["list", "--limit", "-1"],
+        ["init", "--group", "no-such-group-here"],
+        ["status", "--json", "--prometheus"],
     ]
     for args in cases:
         proc = spool.run(*args, check=False)
