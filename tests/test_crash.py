@@ -380,17 +380,24 @@ def test_another_worker_takes_the_job_a_slow_one_prepared(fast_spool, tmp_path):
     s.run("sweep")
 
 
+def _worker_holding_the_next_job(s, tmp_path, job_id: str, command: str):
+    """A -j 1 worker running a job that waits for a ``go`` file, holding the
+    next one (``job_id``) prepared until then. Returns (worker, go, path)."""
+    go = tmp_path / "go"
+    s.enqueue(f"while [ ! -e {go} ]; do sleep 0.02; done")
+    s.enqueue("--id", job_id, command)
+    worker = s.popen("work", "-j", "1", env={"SPOOLQ_TEST_LOOK_AHEAD_HOLD": "600"}, stderr=subprocess.DEVNULL)
+    target = s.path / "new" / f"{job_id}.json"
+    wait_for(lambda: _locked(target), what="the next job to be prepared")
+    return worker, go, target
+
+
 def test_a_prepared_job_postponed_with_touch_waits(fast_spool, tmp_path):
     """`touch -d` on a job the worker has already prepared (locked, read,
     still in new/) postpones it: when the job before it ends the worker lets
     it go instead of running it."""
     s = fast_spool
-    go = tmp_path / "go"
-    s.enqueue(f"while [ ! -e {go} ]; do sleep 0.02; done")
-    s.enqueue("--id", "later", "true")
-    worker = s.popen("work", "-j", "1", env={"SPOOLQ_TEST_LOOK_AHEAD_HOLD": "600"}, stderr=subprocess.DEVNULL)
-    target = s.path / "new" / "later.json"
-    wait_for(lambda: _locked(target), what="the next job to be prepared")
+    worker, go, target = _worker_holding_the_next_job(s, tmp_path, "later", "true")
     future = time.time() + 3600
     os.utime(target, (future, future))
     go.touch()
@@ -405,12 +412,7 @@ def test_a_prepared_job_replaced_under_its_name_runs_as_replaced(fast_spool, tmp
     the worker must not rename the new file into cur/ unlocked and run the
     old content; it lets the old one go and runs the new one."""
     s = fast_spool
-    go = tmp_path / "go"
-    s.enqueue(f"while [ ! -e {go} ]; do sleep 0.02; done")
-    s.enqueue("--id", "edited", "echo original")
-    worker = s.popen("work", "-j", "1", env={"SPOOLQ_TEST_LOOK_AHEAD_HOLD": "600"}, stderr=subprocess.DEVNULL)
-    target = s.path / "new" / "edited.json"
-    wait_for(lambda: _locked(target), what="the next job to be prepared")
+    worker, go, target = _worker_holding_the_next_job(s, tmp_path, "edited", "echo original")
     job = json.loads(target.read_text())
     job["command"] = "echo edited"
     saved = s.path / "tmp" / "edited.json.swp"
