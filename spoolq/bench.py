@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .protocol import SpoolError
+from .protocol import refuse_non_directory
 from .spool import Spool
 
 SPOOLQ_CMD = [sys.executable, "-m", "spoolq"]
@@ -211,7 +211,7 @@ class Bench:
         for start in range(0, n, 10000):
             spool.enqueue_many([{"kind": "noop"}] * min(10000, n - start))
         seconds, outputs = _run_together([[sys.executable, "-c", _WORKER_DRAIN, spool.path]] * 2)
-        ran = [int(out) for out in outputs]
+        ran = [int(out.split()[0]) for out in outputs]
         done = spool.status()["done"]
         assert sum(ran) == n and done == n, (ran, done, n)
         return self.add(Figure("drain_handlers_2w", n, seconds, baseline="drain_handlers",
@@ -405,12 +405,10 @@ class Bench:
             # itself costs at this size. Its second rename goes to a folder
             # of its own, not to done/.
             bare = self.bare_drain(spool, max(size // 10, min(100, size // 2)), f"scale_bare_drain_{label}")
-            # A process of its own (for its peak RSS) that times its own
-            # drain: no start-up to subtract, which on a noisy host could
-            # leave a short drain with a negative time.
-            proc = subprocess.run([sys.executable, "-c", _TIMED_DRAIN, spool.path], check=True,
-                                  capture_output=True, text=True)
-            ran, drain = proc.stdout.split()
+            # Timed inside its process: no start-up to subtract, which on a
+            # noisy host could leave a short drain with a negative time.
+            _, outputs = _run_together([[sys.executable, "-c", _WORKER_DRAIN, spool.path]])
+            ran, drain = outputs[0].split()
             rss_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
             fig = self.add(Figure(f"scale_drain_{label}", int(ran), float(drain),
                                   note=f"a worker (Spool.work, as `spoolq work --app` runs it) draining {int(ran):,} "
@@ -520,31 +518,23 @@ def _noop(payload: Any) -> None:
 
 
 SECTIONS = ("enqueue", "drain", "true", "latency", "sqlite", "status", "scale", "history", "used")
-# The scale section's drain: a whole worker in a process of its own, timed
-# from inside so that the interpreter's start-up is not counted.
-_TIMED_DRAIN = """
-import sys, time
-from spoolq import Spool
-from spoolq.bench import NOOP_HANDLERS
-spool = Spool(sys.argv[1])
-start = time.perf_counter()
-ran = spool.work(handlers=NOOP_HANDLERS)
-print(ran, time.perf_counter() - start)
-"""
-
 NOOP_HANDLERS = {"noop": lambda payload: None}  # for `spoolq work --app spoolq.bench:NOOP_HANDLERS`
 
-# A worker that waits (imported, spool open) until told to go: the figures
-# of several workers start the clock when all of them are ready.
+# A whole worker in a process of its own (for its peak RSS) that waits,
+# imported and with the spool open, until told to go, then times its own
+# drain: the interpreter's start-up is never counted, and figures of several
+# workers start them all at once. Prints "<jobs run> <seconds>".
 _WORKER_DRAIN = """
-import sys
+import sys, time
 from spoolq import Spool
 from spoolq.bench import NOOP_HANDLERS
 spool = Spool(sys.argv[1])
 spool.settings  # reads config.json: the spool is open
 print("ready", flush=True)
 sys.stdin.readline()
-print(spool.work(handlers=NOOP_HANDLERS, signals=False))
+start = time.perf_counter()
+ran = spool.work(handlers=NOOP_HANDLERS, signals=False)
+print(ran, time.perf_counter() - start)
 """
 _SQLITE_WORKER = """
 import sqlite3, sys
@@ -627,8 +617,7 @@ def run(spool_path: str, jobs: int, fsync: bool, sections: tuple[str, ...] = SEC
     """Run the chosen sections in a scratch folder inside ``spool_path``.
     Nothing is deleted until the end: deletions slow down later creates on
     some filesystems (the "used" section measures exactly that)."""
-    if os.path.exists(spool_path) and not os.path.isdir(spool_path):
-        raise SpoolError(f"{spool_path} exists and is not a directory")
+    refuse_non_directory(spool_path)
     os.makedirs(spool_path, exist_ok=True)
     root = os.path.join(spool_path, f".bench-{os.getpid()}")
     os.makedirs(root)

@@ -84,12 +84,13 @@ def fail_for(error: BaseException) -> NoReturn:
 
 def require_spool(spool) -> None:
     """Exit 1 with a hint when the spool directory does not exist."""
+    from .protocol import refuse_non_directory
+
     if spool.dir.exists():
         return
+    refuse_non_directory(spool.path)
     if os.path.isdir(spool.path):
         fail(f"{spool.path} is not a spool (no new/ folder); run 'spoolq init'", 1)
-    if os.path.lexists(spool.path):
-        fail(f"{spool.path} exists and is not a directory", 1)
     fail(f"no spool at {spool.path} (create it with 'spoolq init' or enqueue a job)", 1)
 
 

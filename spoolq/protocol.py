@@ -339,8 +339,7 @@ class SpoolDir:
             st = os.lstat(path)
             if stat.S_ISLNK(st.st_mode) and folder:
                 raise SpoolError(f"{path} is a symlink; spool folders must be real directories")
-            if not os.path.isdir(path):
-                raise SpoolError(f"{path} exists and is not a directory")
+            refuse_non_directory(path)
             if group is not None:
                 os.chown(path, -1, gid)
                 os.chmod(path, mode)
@@ -1050,6 +1049,13 @@ class Held:
 
 # --------------------------------------------------------------------------
 # helpers
+
+
+def refuse_non_directory(path: str) -> None:
+    """SpoolError when ``path`` exists but is not a directory (say a file
+    given where the spool should be)."""
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise SpoolError(f"{path} exists and is not a directory")
 
 
 def kind_of(mode: int) -> str:

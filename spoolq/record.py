@@ -275,14 +275,23 @@ def loads(text: str, max_depth: int = MAX_DEPTH) -> Any:
     try:
         value = _decoder.decode(text)
     except RecursionError:
-        raise ValueError(f"nested more than {max_depth} levels deep") from None
-    if (text.count("[") + text.count("{") > max_depth) and _too_deep(value, max_depth):
-        raise ValueError(f"nested more than {max_depth} levels deep")
+        raise ValueError(too_deep_message(max_depth)) from None
+    if _too_deep(value, text.count("[") + text.count("{"), max_depth):
+        raise ValueError(too_deep_message(max_depth))
     return value
 
 
-def _too_deep(value: Any, max_depth: int = MAX_DEPTH) -> bool:
-    """Whether lists and objects nest more than ``max_depth`` levels (no recursion)."""
+def too_deep_message(max_depth: int) -> str:
+    """The reason given for JSON nested deeper than allowed."""
+    return f"nested more than {max_depth} levels deep"
+
+
+def _too_deep(value: Any, brackets: int, max_depth: int = MAX_DEPTH) -> bool:
+    """Whether lists and objects in ``value`` nest more than ``max_depth``
+    levels. ``brackets``, the count of ``[`` and ``{`` in its JSON text,
+    bounds the depth: only a text with more of them than that is walked."""
+    if brackets <= max_depth:
+        return False
     stack = [(value, 1)]
     while stack:
         item, depth = stack.pop()
@@ -320,11 +329,11 @@ def serialise(job: dict) -> bytes:
     try:
         data = dumps(job)
     except RecursionError:
-        raise InvalidJob(f"nested more than {MAX_DEPTH} levels deep") from None
+        raise InvalidJob(too_deep_message(MAX_DEPTH)) from None
     except (TypeError, ValueError) as e:
         raise InvalidJob(f"not JSON: {e}") from None
-    if data.count(b"[") + data.count(b"{") > MAX_DEPTH and _too_deep(job):
-        raise InvalidJob(f"nested more than {MAX_DEPTH} levels deep")
+    if _too_deep(job, data.count(b"[") + data.count(b"{")):
+        raise InvalidJob(too_deep_message(MAX_DEPTH))
     return data
 
 

@@ -447,8 +447,8 @@ def _call_into(out: Outcome, handler, job: dict, limits: Limits) -> None:
         return
     try:
         out.result = _json_result(value)
-    except RecursionError:
-        out.error = f"the handler returned a value nested more than {record.MAX_DEPTH - 1} levels deep"
+    except RecursionError:  # from json.dumps, deeper than it goes
+        out.error = f"the handler returned a value {record.too_deep_message(record.MAX_DEPTH - 1)}"
     except (TypeError, ValueError) as e:
         out.error = f"the handler returned a value that is not JSON: {type(value).__name__} ({e})"
 

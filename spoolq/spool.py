@@ -16,7 +16,7 @@ import time
 from typing import Any, Callable, Iterator, Mapping
 
 from . import config, record
-from .protocol import STATES, Exists, NotRegular, SpoolDir, SpoolError, file_name, id_of, id_problem, new_id
+from .protocol import STATES, Exists, NotRegular, SpoolDir, file_name, id_of, id_problem, new_id, refuse_non_directory
 from .record import InvalidJob
 
 _UNSET = object()
@@ -55,8 +55,7 @@ class Spool:
             try:
                 self._settings = config.load(self.path)
             except config.ConfigError:
-                if os.path.lexists(self.path) and not os.path.isdir(self.path):
-                    raise SpoolError(f"{self.path} exists and is not a directory") from None
+                refuse_non_directory(self.path)  # the real trouble, said plainly
                 raise
             self.dir.fsync = bool(self._settings["fsync"])
         return self._settings
