@@ -163,10 +163,9 @@ class Worker:
         self._running: dict[int, RunHandle] = {}  # thread id -> the run it is doing
         self._slot_free = threading.Semaphore(jobs)
         self._handoff: queue.Queue = queue.Queue()
-        # Group commit (fsync on, -j 1): outcomes whose folder fsyncs are
+        # Group commit (fsync on, any -j): outcomes whose folder fsyncs are
         # deferred, logged only once synced. At most COMMIT_JOBS jobs or
         # COMMIT_SECONDS wait for a sync.
-        self._group_commit = jobs == 1
         self._uncommitted: list[tuple] = []
         self._commit_lock = threading.Lock()
         # -j 1: the outcome of the last process job, recorded once the next
@@ -591,7 +590,7 @@ class Worker:
         after the group commit has synced the move)."""
         job, job_id, attempt = claimed.job, claimed.job_id, claimed.attempt
         reg = self.registration
-        defer = self._group_commit and self.spool.dir.fsync
+        defer = self.spool.dir.fsync
         try:
             dest, due = transitions.finish(self.ctx, claimed, out, reg.worker_id, defer_sync=defer)
         except (Exception, ForcedStop) as e:

@@ -70,6 +70,26 @@ def test_a_finished_outcome_is_synced_before_it_is_logged(spool):
     assert record_synced < moved < done_synced < logged
 
 
+@pytest.mark.skipif(shutil.which("strace") is None, reason="strace is not installed (apt-get install strace)")
+def test_parallel_slots_share_folder_syncs_and_log_only_synced_outcomes(spool):
+    """-j 2: the slots' finishes share folder fsyncs (group commit), and
+    each outcome is logged only after an fsync of done/ that follows its move."""
+    jobs = 40
+    lines = "".join(json.dumps({"argv": ["true"], "id": f"par{i}"}) + "\n" for i in range(jobs))
+    spool.run("enqueue", "--jsonl", "-", input=lines)
+    calls = _trace(spool, "work", "-j", "2")
+    done = re.escape(str(spool.path / "done"))
+    done_syncs = [i for i, c in enumerate(calls) if re.match(r"fsync\(\d+<" + done + ">", c)]
+    for i in range(jobs):
+        moved = _index(calls, r"renameat2\(.*\"par" + str(i) + r"\.json\", \d+<" + done + ">")
+        logged = _index(calls, r"write\(2<.*job=par" + str(i) + " outcome=succeeded")
+        assert any(moved < s < logged for s in done_syncs), (i, moved, logged)
+    # One sync per job is what a worker without group commit makes; 40 jobs
+    # share a sync every 50 ms or 64 jobs, so even a slow host stays far below.
+    assert 1 <= len(done_syncs) < jobs // 2, len(done_syncs)
+    assert len(spool.ids("done")) == jobs
+
+
 @pytest.fixture
 def tiny_fs():
     """A 1 MiB tmpfs, mounted for this test (needs root; skipped otherwise)."""
