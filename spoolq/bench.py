@@ -217,28 +217,28 @@ class Bench:
         return self.add(Figure("drain_handlers_2w", n, seconds, baseline="drain_handlers",
                                note=f"no-op handlers, two worker processes at once (they ran {ran[0]:,} and {ran[1]:,})"))
 
-    def true_commands(self, n: int, rounds: int = 4) -> None:
-        """``spoolq work -j 1`` and ``-j 2`` on ``n`` argv ["true"] jobs each
-        against a bare ``subprocess.run(["true"])`` loop. The three take
-        turns in ``rounds`` slices (a fresh ``spoolq work`` each, start-up
-        included), so that a noisy machine slows all of them alike."""
-        share = max(1, n // rounds)
-        seconds = {"bare": 0.0, 1: 0.0, 2: 0.0}
-        kinds = ["bare", 1, 2]
-        for r in range(rounds):
-            for kind in kinds[r % 3:] + kinds[:r % 3]:
-                if kind == "bare":
-                    seconds[kind] += self.loop(f"bare true {r + 1}/{rounds}", share, lambda i: subprocess.run(["true"]))
-                else:
-                    seconds[kind] += self._drain_true(share, kind, f"{r}")
-        total = share * rounds
-        self.add(Figure("bare_true", total, seconds["bare"], note='subprocess.run(["true"])'))
+    def true_commands(self, n: int) -> None:
+        """``spoolq work -j 1`` and ``-j 2``, each one command draining ``n``
+        argv ["true"] jobs (start-up included), against a bare
+        ``subprocess.run(["true"])`` loop of ``n`` runs split in quarters
+        around them: bare, -j 1, bare, bare, -j 2, bare. Each drain sits
+        between equal shares of the bare loop, so a host that speeds up or
+        slows down during the run moves both sides alike."""
+        quarter = max(1, n // 4)
+        bare = 0.0
+        drains = {}
+        for step in ("bare", 1, "bare", "bare", 2, "bare"):
+            if step == "bare":
+                bare += self.loop(f"bare true ({quarter:,})", quarter, lambda i: subprocess.run(["true"]))
+            else:
+                drains[step] = self._drain_true(n, step)
+        self.add(Figure("bare_true", quarter * 4, bare, note='subprocess.run(["true"])'))
         for jobs in (1, 2):
-            self.add(Figure(f"drain_true_j{jobs}", total, seconds[jobs], baseline="bare_true",
-                            note=f"spoolq work -j {jobs} on argv [\"true\"] jobs (whole command, {rounds} turns)"))
+            self.add(Figure(f"drain_true_j{jobs}", n, drains[jobs], baseline="bare_true",
+                            note=f"spoolq work -j {jobs} on argv [\"true\"] jobs (one whole command)"))
 
-    def _drain_true(self, n: int, jobs: int, label: str) -> float:
-        spool = self.fresh_spool(f"true-j{jobs}-{label}")
+    def _drain_true(self, n: int, jobs: int) -> float:
+        spool = self.fresh_spool(f"true-j{jobs}")
         spool.enqueue_many([{"argv": ["true"]}] * n)
         start = time.perf_counter()
         subprocess.run(SPOOLQ_CMD + ["-s", spool.path, "work", "-q", "-j", str(jobs)], check=True)

@@ -30,6 +30,15 @@ def test_bench_reports_figures_with_baselines_and_cleans_up(fast_spool):
     assert "bare_enqueue" in table and "vs baseline" in table
 
 
+def test_bench_true_section_drains_whole_commands_beside_the_bare_loop(fast_spool):
+    proc = fast_spool.run("bench", "--no-fsync", "--section", "true", "--true-jobs", "20", "--json", timeout=600)
+    figures = json.loads(proc.stdout)["figures"]
+    assert figures["bare_true"]["jobs"] == 20  # four quarters of 5 around the two drains
+    for name in ("drain_true_j1", "drain_true_j2"):
+        assert figures[name]["jobs"] == 20 and figures[name]["baseline"] == "bare_true" and figures[name]["ratio"] > 0
+    assert not [n for n in os.listdir(fast_spool.path) if n.startswith(".bench-")]
+
+
 def test_bench_scale_reports_the_bare_drain_next_to_the_drain_at_each_size(fast_spool):
     s = fast_spool
     proc = s.run("bench", "--no-fsync", "--section", "scale", "--scale", "200,2000", "--json", timeout=600)
