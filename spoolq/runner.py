@@ -113,6 +113,25 @@ def _memfd(name: str) -> int:
         return fd
 
 
+def make_outputs() -> tuple[int, int]:
+    """Two empty memory files for a job's stdout and stderr."""
+    stdout_fd = _memfd("spoolq-stdout")
+    try:
+        return stdout_fd, _memfd("spoolq-stderr")
+    except BaseException:
+        os.close(stdout_fd)
+        raise
+
+
+def close_all(fds: list[int]) -> None:
+    """Close and forget every descriptor in ``fds``."""
+    while fds:
+        try:
+            os.close(fds.pop())
+        except OSError:
+            pass
+
+
 def inheritable_fds() -> list[int]:
     """This process's descriptors above 2 that a spawned job would inherit
     (no close-on-exec flag): what ``spawn`` must close in the child. Python
@@ -311,10 +330,17 @@ def run_process(
     close: list[int] | None = None,
     on_slow: tuple[float, Callable[[], None]] | None = None,
     threaded: bool = False,
+    outputs: tuple[int, int] | None = None,
+    spent: list[int] | None = None,
 ) -> Outcome:
     """Run a command or argv job to its end and report what happened.
 
     ``threaded``: other threads of this process start jobs too.
+    ``outputs``: empty memory files (see make_outputs) for its stdout and
+    stderr, made ahead by the caller; else they are made now. ``spent``:
+    where to put the job's memory files once read, for the caller to close
+    later (see close_all); else they are closed before this returns. Both
+    keep a system call each off the path between one job and the next.
     ``close``: the descriptors the job must not inherit, if the caller knows
     them already (see inheritable_fds); else they are looked up now.
     ``on_slow`` = (seconds, callback): called once if the job is still
@@ -325,8 +351,7 @@ def run_process(
     else:
         argv = ["/bin/sh", "-c", job["command"]]
     stdin_fd = None
-    stdout_fd = _memfd("spoolq-stdout")
-    stderr_fd = _memfd("spoolq-stderr")
+    stdout_fd, stderr_fd = outputs if outputs is not None else make_outputs()
     try:
         if job.get("payload") is not None:
             stdin_fd = _memfd("spoolq-payload")
@@ -392,9 +417,11 @@ def run_process(
         out.stderr = _tail(stderr_fd, limits.output_limit)
         return out
     finally:
-        for fd in (stdin_fd, stdout_fd, stderr_fd):
-            if fd is not None:
-                os.close(fd)
+        fds = [fd for fd in (stdin_fd, stdout_fd, stderr_fd) if fd is not None]
+        if spent is not None:
+            spent.extend(fds)
+        else:
+            close_all(fds)
 
 
 def _describe_exception(e: BaseException, limit: int) -> tuple[str, str]:

@@ -31,7 +31,7 @@ from . import config, transitions
 from .protocol import Entry
 from .record import rfc3339
 from .registry import Registration
-from .runner import Limits, Outcome, RunHandle, call_handler, fork_handler, inheritable_fds, run_process
+from .runner import Limits, Outcome, RunHandle, call_handler, close_all, fork_handler, inheritable_fds, make_outputs, run_process
 
 # Due entries kept per pass: memory stays bounded (~50 MB) however many
 # files wait; a backlog larger than this takes a pass per SCAN_LIMIT jobs.
@@ -182,6 +182,10 @@ class Worker:
         self._pass: tuple[list[Entry], int] = ([], 0)
         self._ahead: tuple[Entry, transitions.Claimed | None] | None = None
         self._spawn_closes: list[int] = []
+        # -j 1: the next process job's output files, made while the current
+        # one runs, and the last one's, closed once the next has started.
+        self._spare_outputs: tuple[int, int] | None = None
+        self._spent_fds: list[int] = []
         self._busy_this_pass = 0  # due files another process held when we tried them
         # (Tests lengthen the hold to catch a worker killed while it holds one.)
         self._look_ahead_hold = float(os.environ.get("SPOOLQ_TEST_LOOK_AHEAD_HOLD") or LOOK_AHEAD_HOLD)
@@ -314,6 +318,10 @@ class Worker:
             for sig, old in old_handlers.items():
                 signal.signal(sig, old)
             sp.dir.drop_spares()
+            close_all(self._spent_fds)
+            if self._spare_outputs is not None:
+                close_all(list(self._spare_outputs))
+                self._spare_outputs = None
             self.registration.close()
         return self.ran
 
@@ -355,6 +363,7 @@ class Worker:
         while self._may_claim():
             if pos >= len(entries):
                 self._record_unrecorded()  # before pausing, compacting or scanning
+                close_all(self._spent_fds)
                 if claimed_this_pass:
                     busy_rounds = 0
                 if not first and claimed_this_pass == 0 and self._finished_since_scan == 0:
@@ -535,6 +544,13 @@ class Worker:
             # time of its own.
             self._record_unrecorded()
             self._look_ahead()
+            if self.jobs == 1:
+                close_all(self._spent_fds)
+                if self._spare_outputs is None:
+                    try:
+                        self._spare_outputs = make_outputs()
+                    except OSError:
+                        pass  # the next job makes its own (and reports why it cannot)
 
         # A job still running after the hold must not keep the next one locked.
         on_slow = (self._look_ahead_hold, self._drop_ahead) if self.jobs == 1 else None
@@ -552,8 +568,11 @@ class Worker:
                 else:
                     out = fork_handler(handler, job, limits, handle, spawned, on_slow)
             else:
+                outputs, spent = None, None
+                if self.jobs == 1:
+                    outputs, self._spare_outputs, spent = self._spare_outputs, None, self._spent_fds
                 out = run_process(job, self._env(job, attempt), limits, handle, spawned, self._spawn_closes, on_slow,
-                                  threaded=self.jobs > 1)
+                                  threaded=self.jobs > 1, outputs=outputs, spent=spent)
         except ForcedStop:
             out = Outcome(start=time.time(), end=time.time(), error="killed: the worker was told to stop now", interrupted=True)
         except Exception as e:  # spoolq's own failure to run it: a failed run, not a dead worker

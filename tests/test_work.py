@@ -362,6 +362,37 @@ def test_a_job_inherits_only_stdin_stdout_and_stderr(fast_spool, tmp_path):
         assert s.show(job_id)["stdout"].split() == ["0", "1", "2"], job_id
 
 
+def test_a_long_running_worker_keeps_no_descriptors_of_finished_jobs(fast_spool):
+    """-j 1 makes the next job's output files ahead and closes the last
+    one's after the next has started: the count stays flat however many
+    jobs run, and every job captures only its own output."""
+    s = fast_spool
+    watcher = s.popen("work", "--watch", stderr=subprocess.DEVNULL)
+    echo = ["--argv", "--", "sh", "-c", "echo $SPOOLQ_JOB_ID; echo err-$SPOOLQ_JOB_ID >&2"]
+    ids = []
+
+    def open_fds() -> int:
+        return len(os.listdir(f"/proc/{watcher.pid}/fd"))
+
+    def run_batch(n: int) -> None:
+        batch = [s.enqueue(*echo) for _ in range(n)]
+        ids.extend(batch)
+        wait_for(lambda: all(s.where(j) == ["done"] for j in batch), what="the batch to run")
+
+    try:
+        run_batch(5)
+        after_five = open_fds()
+        run_batch(40)
+        # Polled: the worker closes the last job's files a moment after it moves it to done/.
+        wait_for(lambda: open_fds() <= after_five, timeout=10, what=f"the worker to hold no more than {after_five} fds")
+    finally:
+        watcher.send_signal(signal.SIGTERM)
+        assert watcher.wait(timeout=60) == 0
+    for job_id in ids:
+        job = s.show(job_id)
+        assert job["stdout"] == job_id + "\n" and job["stderr"] == f"err-{job_id}\n", job
+
+
 def test_a_program_is_found_on_the_jobs_own_path(fast_spool, tmp_path):
     s = fast_spool
     s.config("max_attempts", 1)
