@@ -295,7 +295,12 @@ class SpoolDir:
         self._retired: list[tuple[str, int]] = []  # old inodes waiting for a sync before reuse
         # Folders renamed into/out of whose fsync was deferred (group commit):
         # destinations are synced before sources, so a power cut can leave a
-        # job in two folders (run again) but never in none.
+        # job in two folders (run again) but never in none. (Where renames are
+        # journaled, as on ext4 by default, a rename reaches the disk whole
+        # anyway. Without a journal the order is all there is, and the
+        # kernel's own writeback, or a move made by another thread between
+        # the two fsyncs, can still undo it: such a filesystem needs fsck after
+        # a power cut, which puts a file found in no folder in lost+found.)
         self._unsynced_dst: set[str] = set()
         self._unsynced_src: set[str] = set()
         self.unsynced_since = 0.0  # monotonic time of the oldest deferred change

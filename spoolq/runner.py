@@ -352,6 +352,7 @@ def run_process(
         argv = ["/bin/sh", "-c", job["command"]]
     stdin_fd = None
     stdout_fd, stderr_fd = outputs if outputs is not None else make_outputs()
+    started_up = False
     try:
         if job.get("payload") is not None:
             stdin_fd = _memfd("spoolq-payload")
@@ -378,6 +379,7 @@ def run_process(
             out.error = f"cannot start: {e}"
             return out
         handle.pid = proc.pid
+        started_up = True  # its files may now wait in ``spent``: the next spawn closes them
         try:
             try:
                 on_spawn(proc.pid, (before, procs.boot_ticks()))
@@ -418,7 +420,7 @@ def run_process(
         return out
     finally:
         fds = [fd for fd in (stdin_fd, stdout_fd, stderr_fd) if fd is not None]
-        if spent is not None:
+        if spent is not None and started_up:
             spent.extend(fds)
         else:
             close_all(fds)

@@ -299,8 +299,14 @@ class Worker:
         finally:
             # Whether the dispatcher returned or failed (an exception, Ctrl-C
             # in a program that calls Spool.work): let the prepared job go,
-            # record and commit the last outcome.
+            # let the slots finish what they run, then record and commit the
+            # last outcomes (the slots' too, when the dispatcher failed).
             self._drop_ahead()
+            for _ in threads:
+                self._handoff.put(None)
+            for t in threads:
+                while t.is_alive():
+                    t.join(0.5)
             try:
                 self._record_unrecorded()
                 self._commit()
@@ -308,11 +314,6 @@ class Worker:
                 self.log.line(f"worker={self._wid} cannot record the last outcome: {e}", 0)
             if "committer_stop" in locals():
                 committer_stop.set()
-            for _ in threads:
-                self._handoff.put(None)
-            for t in threads:
-                while t.is_alive():
-                    t.join(0.5)
             if self.waker:
                 self.waker.stop()
             for sig, old in old_handlers.items():
@@ -538,19 +539,21 @@ class Worker:
             self._record_unrecorded()  # not held back while a handler runs
 
         def spawned(pid: int, window: tuple[int, int]) -> None:
-            reg.job_spawned(job_id, pid, window)
-            # While this process starts up and runs, record the job before it
-            # and prepare the one after: with -j 1 that work then costs no
-            # time of its own.
-            self._record_unrecorded()
-            self._look_ahead()
-            if self.jobs == 1:
-                close_all(self._spent_fds)
-                if self._spare_outputs is None:
-                    try:
-                        self._spare_outputs = make_outputs()
-                    except OSError:
-                        pass  # the next job makes its own (and reports why it cannot)
+            try:
+                reg.job_spawned(job_id, pid, window)
+            finally:
+                # While this process starts up and runs, record the job before
+                # it and prepare the one after: with -j 1 that work then costs
+                # no time of its own.
+                self._record_unrecorded()
+                self._look_ahead()
+                if self.jobs == 1:
+                    close_all(self._spent_fds)
+                    if self._spare_outputs is None:
+                        try:
+                            self._spare_outputs = make_outputs()
+                        except OSError:
+                            pass  # the next job makes its own (and reports why it cannot)
 
         # A job still running after the hold must not keep the next one locked.
         on_slow = (self._look_ahead_hold, self._drop_ahead) if self.jobs == 1 else None
@@ -669,7 +672,9 @@ class Worker:
         runs (a long job must not hold back the outcome of the one before)."""
         while not stop.wait(COMMIT_SECONDS / 2):
             sp = self.spool.dir
-            if sp.has_deferred and time.monotonic() - sp.unsynced_since >= COMMIT_SECONDS:
+            # Outcomes may wait with nothing deferred: a slot's move that
+            # another commit synced just before the slot listed its outcome.
+            if (sp.has_deferred or self._uncommitted) and time.monotonic() - sp.unsynced_since >= COMMIT_SECONDS:
                 try:
                     self._commit()
                 except Exception as e:

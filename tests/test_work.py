@@ -7,9 +7,10 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 
-from conftest import wait_for
+from conftest import SPOOLQ, wait_for
 
 
 def test_a_job_sees_its_environment_payload_and_cwd(fast_spool, tmp_path):
@@ -391,6 +392,53 @@ def test_a_long_running_worker_keeps_no_descriptors_of_finished_jobs(fast_spool)
     for job_id in ids:
         job = s.show(job_id)
         assert job["stdout"] == job_id + "\n" and job["stderr"] == f"err-{job_id}\n", job
+
+
+def test_jobs_that_cannot_start_leave_no_descriptors_behind(fast_spool):
+    """A job whose program is missing never starts; its output files are
+    closed at once, so a long run of such jobs cannot use up the worker's
+    descriptors (here only 64) and turn later jobs into internal errors."""
+    s = fast_spool
+    s.config("max_attempts", 1)
+    lines = "".join(json.dumps({"argv": ["/nonexistent-program"]}) + "\n" for _ in range(150))
+    s.run("enqueue", "--jsonl", "-", input=lines)
+    ok = s.enqueue("--argv", "--", "true")
+    proc = subprocess.run(["sh", "-c", 'ulimit -n 64 && exec "$@"', "sh", *SPOOLQ, "-s", str(s.path), "work"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "internal error" not in proc.stderr
+    assert len(s.ids("dead")) == 150 and s.where(ok) == ["done"]
+    assert proc.stderr.count("cannot start: No such file or directory") == 150
+
+
+def test_outcomes_of_running_slots_are_committed_when_the_caller_is_interrupted(spool, tmp_path):
+    """A program calling Spool.work (without spoolq's signal handlers) gets
+    Ctrl-C while two slots run jobs: the slots finish, and both outcomes are
+    synced and logged before work() gives the interrupt back."""
+    s = spool  # fsync on: finishes wait for a group commit before they are logged
+    ids = [s.enqueue("--argv", "--", "sh", "-c", "sleep 1") for _ in range(2)]
+    program = tmp_path / "prog.py"
+    program.write_text(
+        "import sys\n"
+        "from spoolq import Spool\n"
+        "from spoolq.worker import Log\n"
+        "try:\n"
+        "    Spool(sys.argv[1]).work(jobs=2, signals=False, log=Log(sys.stderr, 1))\n"
+        "except KeyboardInterrupt:\n"
+        "    print('interrupted', file=sys.stderr)\n"
+    )
+    proc = subprocess.Popen([sys.executable, str(program), str(s.path)], stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: len(s.names("cur")) == 2, what="both jobs to run")
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "interrupted" in err
+    for job_id in ids:
+        assert s.where(job_id) == ["done"]
+        assert f"job={job_id} outcome=succeeded" in err, err
 
 
 def test_a_program_is_found_on_the_jobs_own_path(fast_spool, tmp_path):
