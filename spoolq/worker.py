@@ -172,7 +172,8 @@ class Worker:
         # deferred, logged only once synced. At most COMMIT_JOBS jobs or
         # COMMIT_SECONDS wait for a sync.
         self._uncommitted: list[tuple] = []
-        self._commit_lock = threading.Lock()
+        self._uncommitted_lock = threading.Lock()  # the list only: held for no system call
+        self._commit_lock = threading.Lock()  # one commit at a time (held across its fsyncs)
         # -j 1: the outcome of the last process job, recorded once the next
         # job's process has started (see _run_one), or when the dispatcher
         # pauses or stops.
@@ -642,7 +643,7 @@ class Worker:
             pass
         self.ran += 1
         if defer:
-            with self._commit_lock:
+            with self._uncommitted_lock:  # not the commit lock: a slot never waits for an fsync here
                 self._uncommitted.append((job, out, attempt, dest, due))
         else:
             self._log_outcome(job, out, attempt, dest, due)
@@ -656,7 +657,8 @@ class Worker:
                 return
             # Take the outcomes first: every one of them already has its moves
             # in the deferred sets, which the sync below covers.
-            pending, self._uncommitted = self._uncommitted, []
+            with self._uncommitted_lock:
+                pending, self._uncommitted = self._uncommitted, []
             try:
                 self.spool.dir.sync_deferred()
             except OSError as e:
