@@ -282,8 +282,15 @@ def work(ctx, jobs, max_jobs, max_time, app, watch, poll, quiet, verbose):
     from .worker import Worker
 
     spool._open(create=True)
+    watch = watch or poll is not None
+    if jobs > 1:  # N worker processes (see pool.py)
+        from .pool import run_workers
+
+        if not run_workers(lambda: Spool(spool.path), jobs, handlers, max_jobs, max_time, watch, poll, log):
+            sys.exit(1)
+        return
     worker = Worker(spool, handlers=handlers, jobs=jobs, max_jobs=max_jobs, max_time=max_time,
-                    watch=watch or poll is not None, poll=poll, log=log)
+                    watch=watch, poll=poll, log=log)
     worker.run()
     if worker.failed_to_record:
         sys.exit(1)

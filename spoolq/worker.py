@@ -4,7 +4,8 @@ One dispatcher lists the waiting folders once per pass and claims jobs from
 that sorted list; it lists again only when the list is used up, so a drain
 never lists a folder once per job. With ``jobs=1`` the dispatcher runs each
 job itself (no threads, the cheapest path); with ``jobs=N`` it hands claimed
-jobs to N slot threads and claims only when a slot is free.
+jobs to N slot threads and claims only when a slot is free. (``spoolq work
+-j N`` runs N processes of ``jobs=1`` instead: see pool.py.)
 
 A drain ends when a pass claims nothing and no job finished since it began
 (a file locked by someone else cannot make it spin). In watch mode the
@@ -47,6 +48,7 @@ BUSY_RETRY_DELAY = 2 * LOOK_AHEAD_HOLD
 BUSY_RETRIES = 100
 COMPACT_CHECK_JOBS = 1000  # count done/ for auto-compaction after this many jobs ...
 COMPACT_CHECK_SECONDS = 60.0  # ... or this long
+RELAYED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)  # stop, stop now: from the parent of a worker pool
 
 
 class ForcedStop(BaseException):
@@ -133,6 +135,7 @@ class Worker:
         signals: bool = True,
         waker: Waker | None = None,
         recover: bool = True,
+        relayed: bool = False,
     ):
         if jobs < 1:
             raise ValueError("jobs must be at least 1")
@@ -146,6 +149,13 @@ class Worker:
         self.poll = poll
         self.log = log or Log(level=0)
         self.signals = signals
+        # One of several worker processes behind `spoolq work -j N` (see
+        # pool.py): the parent passes stop signals on as SIGUSR1 (stop
+        # claiming) and SIGUSR2 (kill running jobs); SIGTERM and SIGINT that
+        # reach this process directly (a terminal's whole process group,
+        # systemd's whole control group) are left to the parent, so that one
+        # signal never counts twice.
+        self.relayed = relayed
         self.recover = recover
         self.waker = waker
         self.ran = 0
@@ -190,6 +200,8 @@ class Worker:
         self._busy_this_pass = 0  # due files another process held when we tried them
         # (Tests lengthen the hold to catch a worker killed while it holds one.)
         self._look_ahead_hold = float(os.environ.get("SPOOLQ_TEST_LOOK_AHEAD_HOLD") or LOOK_AHEAD_HOLD)
+        # (And lengthen the commit interval, to count the syncs jobs share however slow the host.)
+        self._commit_seconds = float(os.environ.get("SPOOLQ_TEST_COMMIT_SECONDS") or COMMIT_SECONDS)
         self._next_compact_ran = 0
         self._next_compact_time = 0.0
         self._base_env = dict(os.environ)
@@ -222,11 +234,19 @@ class Worker:
         if signum == signal.SIGHUP:
             self.reload()
             return
+        if self.relayed:
+            if signum not in (signal.SIGUSR1, signal.SIGUSR2):
+                return  # the parent passes it on
+            level = 1 if signum == signal.SIGUSR1 else 2
+        else:
+            level = self._stop_signals + 1
+        if level <= self._stop_signals:
+            return
         # Count first: Python may run a second signal's handler nested inside
         # this one (in the middle of the log line below), and that one must
         # know it is the second.
-        self._stop_signals += 1
-        if self._stop_signals == 1:
+        self._stop_signals = level
+        if level == 1:
             self.stop()
             self.log.line(f"worker={self._wid} signal={signal.Signals(signum).name} stopping: no more claims, running jobs finish", 1)
             return
@@ -271,7 +291,7 @@ class Worker:
         self.registration.start_flusher()
         old_handlers = {}
         if self.signals and threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP) + (RELAYED_SIGNALS if self.relayed else ()):
                 old_handlers[sig] = signal.signal(sig, self._on_signal)
         threads: list[threading.Thread] = []
         try:
@@ -672,11 +692,11 @@ class Worker:
     def _committer(self, stop: threading.Event) -> None:
         """Commit whatever has waited COMMIT_SECONDS, even while the next job
         runs (a long job must not hold back the outcome of the one before)."""
-        while not stop.wait(COMMIT_SECONDS / 2):
+        while not stop.wait(self._commit_seconds / 2):
             sp = self.spool.dir
             # Outcomes may wait with nothing deferred: a slot's move that
             # another commit synced just before the slot listed its outcome.
-            if (sp.has_deferred or self._uncommitted) and time.monotonic() - sp.unsynced_since >= COMMIT_SECONDS:
+            if (sp.has_deferred or self._uncommitted) and time.monotonic() - sp.unsynced_since >= self._commit_seconds:
                 try:
                     self._commit()
                 except Exception as e:

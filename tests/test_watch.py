@@ -27,10 +27,17 @@ class Watcher:
         self.log_path = spool.path.parent / f"watcher-{Watcher.count}.log"
         self.log_file = open(self.log_path, "w")
         self.proc = spool.popen("work", "--watch", *args, stderr=self.log_file, env=env)
+        # `-j N` (N > 1) is N worker processes, children of this one.
+        self.processes = int(args[args.index("-j") + 1]) if "-j" in args else 1
         # Ready once registered (its first scan comes right after the watch starts).
-        wait_for(lambda: any(w["pid"] == self.proc.pid for w in spool.status()["workers"]) or self.proc.poll() is not None,
+        wait_for(lambda: len(self.workers()) == self.processes or self.proc.poll() is not None,
                  what="the watcher to register")
         assert self.proc.poll() is None, self.log()
+        self.worker_ids = {w["worker"] for w in self.workers()}
+
+    def workers(self) -> list[dict]:
+        """The registered workers that are this command's process or its children."""
+        return [w for w in self.spool.status()["workers"] if w["pid"] == self.proc.pid or _parent_of(w["pid"]) == self.proc.pid]
 
     def log(self) -> str:
         return self.log_path.read_text()
@@ -44,6 +51,14 @@ class Watcher:
         self.proc.wait(timeout=timeout)
         self.log_file.close()
         return self.log()
+
+
+def _parent_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 @pytest.fixture
@@ -113,8 +128,8 @@ def test_a_retry_runs_after_its_backoff_without_a_new_event(fast_spool, watcher_
 def test_two_watchers_run_each_job_once(fast_spool, watcher_factory, tmp_path):
     s = fast_spool
     log = tmp_path / "ran.log"
-    watcher_factory("-j", "2")
-    watcher_factory("-j", "2")
+    first = watcher_factory("-j", "2")
+    second = watcher_factory("-j", "2")
     ids = s.run("enqueue", "--jsonl", "-",
                 input="".join(json.dumps({"command": f"echo $SPOOLQ_JOB_ID >> {log}"}) + "\n" for _ in range(300))).stdout.split()
     ids += [s.enqueue(f"echo $SPOOLQ_JOB_ID >> {log}") for _ in range(20)]
@@ -122,7 +137,8 @@ def test_two_watchers_run_each_job_once(fast_spool, watcher_factory, tmp_path):
     runs = collections.Counter(log.read_text().split())
     assert set(runs) == set(ids) and max(runs.values()) == 1
     workers = {s.record("done", i)["history"][0]["worker"] for i in ids}
-    assert len(workers) == 2  # both watchers took part
+    assert workers & first.worker_ids and workers & second.worker_ids  # both watchers took part
+    assert workers <= first.worker_ids | second.worker_ids
 
 
 def test_sigterm_lets_the_running_job_finish_then_exits(fast_spool, watcher_factory, tmp_path):
@@ -193,10 +209,16 @@ def test_status_lists_a_live_watcher_and_forgets_a_killed_one(fast_spool, watche
     s = fast_spool
     w = watcher_factory("-j", "3")
     workers = s.status()["workers"]
-    assert [x["pid"] for x in workers] == [w.proc.pid]
-    assert workers[0]["host"] and workers[0]["started_at"]
+    assert len(workers) == 3 and {_parent_of(x["pid"]) for x in workers} == {w.proc.pid}  # three worker processes
+    assert all(x["host"] and x["started_at"] for x in workers)
     w.proc.send_signal(signal.SIGKILL)
     w.proc.wait()
+    # Its worker processes stop when their parent dies; a killed one is forgotten.
+    wait_for(lambda: s.status()["workers"] == [], what="the worker processes to stop")
+    single = watcher_factory()
+    assert [x["pid"] for x in s.status()["workers"]] == [single.proc.pid]
+    single.proc.send_signal(signal.SIGKILL)
+    single.proc.wait()
     assert s.status()["workers"] == []
     assert "workers" in s.run("status").stdout
 

@@ -317,6 +317,39 @@ def test_max_jobs_and_max_time(fast_spool):
     assert s.ids("cur") == []
 
 
+def test_j_runs_worker_processes_that_share_max_jobs(fast_spool):
+    """`work -j 3` is three worker processes; `--max-jobs 4` is their budget
+    together, not each one's."""
+    s = fast_spool
+    ids = [s.enqueue("--argv", "--", "sleep", "0.2") for _ in range(10)]
+    proc = s.work("-j", "3", "--max-jobs", "4")
+    assert len(s.ids("done")) == 4 and len(s.ids("new")) == 6 and s.ids("cur") == []
+    takers = {s.record("done", i)["history"][0]["worker"] for i in ids if s.where(i) == ["done"]}
+    assert 2 <= len(takers) <= 3, takers  # not one worker doing it all
+    assert proc.returncode == 0
+
+
+def test_ctrl_c_reaching_the_whole_process_group_counts_once(fast_spool, tmp_path):
+    """A terminal's Ctrl-C reaches `work -j 2` and its worker processes
+    alike: that is one stop (running jobs finish), not two (killed)."""
+    s = fast_spool
+    started = tmp_path / "started"
+    job_id = s.enqueue(f"touch {started}; sleep 1; echo finished")
+    worker = s.popen("work", "--watch", "-j", "2", start_new_session=True, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(started.exists, what="the job to start")
+        os.killpg(worker.pid, signal.SIGINT)
+        _, err = worker.communicate(timeout=60)
+    finally:
+        if worker.poll() is None:
+            os.killpg(worker.pid, signal.SIGKILL)
+            worker.wait()
+    assert worker.returncode == 0, err
+    job = s.show(job_id)
+    assert job["state"] == "done" and job["stdout"] == "finished\n", job
+    assert "stopping now" not in err and "stopping: no more claims" in err
+
+
 def test_work_exits_when_nothing_is_due(fast_spool):
     s = fast_spool
     s.enqueue("--in", "1h", "true")
