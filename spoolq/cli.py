@@ -283,6 +283,8 @@ def work(ctx, jobs, max_jobs, max_time, app, watch, poll, quiet, verbose):
 
     spool._open(create=True)
     watch = watch or poll is not None
+    if max_jobs is not None:
+        jobs = max(1, min(jobs, max_jobs))  # no worker process without a job to claim; one still recovers
     if jobs > 1:  # N worker processes (see pool.py)
         from .pool import run_workers
 

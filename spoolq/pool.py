@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 from typing import Any, Callable
 
 from .worker import Log, Worker
 
 PASSED_ON = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+ALL_HANDLED = PASSED_ON + (signal.SIGUSR1, signal.SIGUSR2)  # a worker process's
 
 
 def shares(max_jobs: int | None, processes: int) -> list[int | None]:
@@ -41,72 +43,97 @@ def shares(max_jobs: int | None, processes: int) -> list[int | None]:
 def run_workers(make_spool: Callable[[], Any], processes: int, handlers: dict, max_jobs: int | None,
                 max_time: float | None, watch: bool, poll: float | None, log: Log) -> bool:
     """Run ``processes`` workers on one spool until each has drained it (or,
-    watching, until told to stop). True when every worker ended cleanly."""
+    watching, until told to stop). True when every worker ended cleanly.
+
+    A worker process that fails (it could not record an outcome, or was
+    killed) stops the others, as a failing worker stops itself: the command
+    then exits 1, and whoever restarts it (systemd's Restart=on-failure, the
+    next cron run) recovers the job the failed one left in cur/."""
     parent = os.getpid()
     children: set[int] = set()
     stop_signals = 0
 
-    def pass_on(signum: int, frame: Any) -> None:
-        nonlocal stop_signals
-        if os.getpid() != parent:  # a child that has not yet put its own handlers in place
-            return
-        if signum == signal.SIGHUP:
-            relay = signal.SIGHUP
-        else:
-            stop_signals += 1
-            relay = signal.SIGUSR1 if stop_signals == 1 else signal.SIGUSR2
+    def tell(relay: int) -> None:
         for pid in list(children):
             try:
                 os.kill(pid, relay)
             except ProcessLookupError:
                 pass
 
+    def pass_on(signum: int, frame: Any) -> None:
+        nonlocal stop_signals
+        if os.getpid() != parent:  # a child that has not yet put its own handlers in place
+            return
+        if signum == signal.SIGHUP:
+            tell(signal.SIGHUP)
+            return
+        stop_signals += 1
+        tell(signal.SIGUSR1 if stop_signals == 1 else signal.SIGUSR2)
+
     old = {sig: signal.signal(sig, pass_on) for sig in PASSED_ON}
     clean = True
     try:
         for share in shares(max_jobs, processes):
+            if stop_signals:  # told to stop while starting: start no more
+                break
             if share == 0:
                 continue
+            # Held back around the fork, so that a child has its own handlers
+            # in place before any signal (a relayed stop) can reach it.
+            signal.pthread_sigmask(signal.SIG_BLOCK, ALL_HANDLED)
+            for stream in (sys.stdout, sys.stderr):  # or a child would print what the parent buffered
+                _flush(stream)
             pid = os.fork()
             if pid == 0:
                 _worker_process(make_spool, handlers, share, max_time, watch, poll, log, parent)
             children.add(pid)
-        if stop_signals:  # told to stop while starting: the later workers have not heard it
-            for pid in children:
-                try:
-                    os.kill(pid, signal.SIGUSR1 if stop_signals == 1 else signal.SIGUSR2)
-                except ProcessLookupError:
-                    pass
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, ALL_HANDLED)
         while children:
+            # Learn which child ended before reaping it: until it is reaped
+            # its pid cannot be reused, so a signal passed on meanwhile never
+            # reaches a stranger.
             try:
-                pid, status = os.waitpid(-1, 0)
+                info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT)
             except ChildProcessError:
                 break
-            if pid not in children:
+            if info is None:
                 continue
+            pid = info.si_pid
             children.discard(pid)
+            _, status = os.waitpid(pid, 0)
             code = os.waitstatus_to_exitcode(status)
             if code != 0:
+                if clean:
+                    tell(signal.SIGUSR1)  # the others finish what they run, then exit
                 clean = False
                 if code < 0:
-                    log.line(f"a worker process (pid {pid}) was killed by {signal.Signals(-code).name}; "
-                             "its jobs are recovered by the next worker to start", 0)
+                    log.line(f"a worker process (pid {pid}) was killed by {signal.Signals(-code).name}; the others "
+                             "stop, and its job is recovered when spoolq work next starts", 0)
     finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, ALL_HANDLED)
         for sig, handler in old.items():
             signal.signal(sig, handler)
     return clean
 
 
+def _flush(stream: Any) -> None:
+    try:
+        stream.flush()
+    except (OSError, ValueError, AttributeError):  # closed, or None when started without it
+        pass
+
+
 def _worker_process(make_spool, handlers, share, max_time, watch, poll, log, parent) -> None:
-    """The body of one worker process; never returns."""
+    """The body of one worker process (its signals blocked until its
+    handlers are in place); never returns."""
     code = 1
     try:
         worker = Worker(make_spool(), handlers=handlers, jobs=1, max_jobs=share, max_time=max_time,
                         watch=watch, poll=poll, log=log, relayed=True)
-        # Until run() puts them in place (the same ones): a relayed stop that
-        # arrives while this process starts must not kill it.
-        for sig in PASSED_ON + (signal.SIGUSR1, signal.SIGUSR2):
+        # Until run() puts them in place (the same ones).
+        for sig in ALL_HANDLED:
             signal.signal(sig, worker._on_signal)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, ALL_HANDLED)
         _stop_with_parent()
         if os.getppid() != parent:  # the parent died before that took hold
             worker.stop()
@@ -118,6 +145,8 @@ def _worker_process(make_spool, handlers, share, max_time, watch, poll, log, par
         except BaseException:
             pass
     finally:
+        for stream in (sys.stdout, sys.stderr):  # what in-process handlers printed
+            _flush(stream)
         os._exit(code)
 
 

@@ -350,6 +350,77 @@ def test_ctrl_c_reaching_the_whole_process_group_counts_once(fast_spool, tmp_pat
     assert "stopping now" not in err and "stopping: no more claims" in err
 
 
+def test_a_killed_worker_process_stops_the_others_and_its_job_is_recovered(fast_spool, tmp_path):
+    """One of `work -j 2`'s worker processes is killed (say by the OOM
+    killer) while it runs a job: the other stops too and the command exits 1,
+    so that whoever restarts it (systemd, cron) recovers the job."""
+    s = fast_spool
+    started = tmp_path / "started"
+    job_id = s.enqueue(f"touch {started}; exec sleep 300")
+    command = s.popen("work", "--watch", "-j", "2", stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(started.exists, what="the job to start")
+        busy = wait_for(lambda: [w for w in s.status()["workers"] if job_id in w.get("jobs", {})], what="its worker")[0]
+        os.kill(busy["pid"], signal.SIGKILL)
+        _, err = command.communicate(timeout=60)
+    finally:
+        if command.poll() is None:
+            command.kill()
+            command.wait()
+    assert command.returncode == 1 and "was killed by SIGKILL" in err, err
+    assert s.where(job_id) == ["cur"]
+    s.config("max_attempts", 1)
+    s.work()  # recovery: the run is counted, the orphaned `sleep` is killed
+    assert s.where(job_id) == ["dead"] and "interrupted" in s.show(job_id)["error"]
+
+
+def test_max_jobs_zero_with_j_still_recovers(fast_spool, tmp_path):
+    s = fast_spool
+    started = tmp_path / "started"
+    job_id = s.enqueue(f"touch {started}; exec sleep 300")
+    worker = s.popen("work", stderr=subprocess.DEVNULL)
+    wait_for(started.exists, what="the job to start")
+    worker.kill()
+    worker.wait()
+    s.work("-j", "3", "--max-jobs", "0")
+    assert s.where(job_id) == ["failed"] and s.ids("new") == []
+
+
+def test_handler_output_of_worker_processes_is_flushed_once(fast_spool, tmp_path):
+    """Handlers that print, under -j 2 with stdout a pipe: each line once,
+    and what the app printed on import not repeated by each process."""
+    s = fast_spool
+    (tmp_path / "printing_app.py").write_text(
+        "print('imported')\n"
+        "def say(payload):\n"
+        "    print('job', payload)\n"
+        "HANDLERS = {'say': say}\n"
+    )
+    for i in range(4):
+        s.enqueue("--kind", "say", "--payload", str(i))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    env.pop("SPOOLQ_DIR", None)
+    proc = subprocess.run(SPOOLQ + ["-s", str(s.path), "work", "-j", "2", "--app", "printing_app:HANDLERS"],
+                          cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(proc.stdout.splitlines()) == ["imported", "job 0", "job 1", "job 2", "job 3"], proc.stdout
+
+
+def test_a_stop_while_the_worker_processes_start_ends_cleanly(fast_spool):
+    """SIGTERM right after `work -j 4` starts, many times: never a worker
+    process killed by the signal passed on before it could handle it."""
+    s = fast_spool
+    for attempt in range(15):
+        command = s.popen("work", "--watch", "-j", "4", stderr=subprocess.PIPE, text=True)
+        wait_for(lambda: os.path.exists(f"/proc/{command.pid}/task/{command.pid}/children")
+                 and open(f"/proc/{command.pid}/task/{command.pid}/children").read().split(), interval=0.001,
+                 what="the first worker process")
+        command.send_signal(signal.SIGTERM)
+        _, err = command.communicate(timeout=60)
+        assert command.returncode == 0 and "killed by" not in err, (attempt, err)
+    assert s.status()["workers"] == []
+
+
 def test_work_exits_when_nothing_is_due(fast_spool):
     s = fast_spool
     s.enqueue("--in", "1h", "true")
