@@ -26,10 +26,11 @@ import signal
 import sys
 from typing import Any, Callable
 
-from .worker import Log, Worker
+from .runner import die_with_parent
+from .worker import RELAYED_SIGNALS, Log, Worker
 
 PASSED_ON = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-ALL_HANDLED = PASSED_ON + (signal.SIGUSR1, signal.SIGUSR2)  # a worker process's
+ALL_HANDLED = PASSED_ON + RELAYED_SIGNALS  # what a worker process handles
 
 
 def shares(max_jobs: int | None, processes: int) -> list[int | None]:
@@ -134,7 +135,7 @@ def _worker_process(make_spool, handlers, share, max_time, watch, poll, log, par
         for sig in ALL_HANDLED:
             signal.signal(sig, worker._on_signal)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, ALL_HANDLED)
-        _stop_with_parent()
+        die_with_parent(signal.SIGUSR1)  # stop claiming when the command dies
         if os.getppid() != parent:  # the parent died before that took hold
             worker.stop()
         worker.run()
@@ -148,14 +149,3 @@ def _worker_process(make_spool, handlers, share, max_time, watch, poll, log, par
         for stream in (sys.stdout, sys.stderr):  # what in-process handlers printed
             _flush(stream)
         os._exit(code)
-
-
-def _stop_with_parent() -> None:
-    """Be sent SIGUSR1 (stop claiming) when the parent dies (Linux)."""
-    try:
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGUSR1, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass

@@ -504,7 +504,7 @@ def fork_handler(
             code = 0
             try:
                 os.setpgid(0, 0)
-                _die_with_parent()
+                die_with_parent()  # killed with the worker
                 if os.getppid() != parent:  # the worker died before prctl took hold
                     os._exit(1)
                 # The worker's signal handlers are not this process's business:
@@ -584,8 +584,10 @@ def _load_prctl() -> None:
             _prctl = False
 
 
-def _die_with_parent() -> None:
-    """In a forked handler child: be killed if the worker dies (Linux)."""
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """In a forked child: be sent ``sig`` when the parent dies (Linux). A
+    parent that forks often resolves prctl first (_load_prctl)."""
+    _load_prctl()
     if _prctl:
         PR_SET_PDEATHSIG = 1
-        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        _prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)

@@ -235,7 +235,7 @@ class Worker:
             self.reload()
             return
         if self.relayed:
-            if signum not in (signal.SIGUSR1, signal.SIGUSR2):
+            if signum not in RELAYED_SIGNALS:
                 return  # the parent passes it on
             level = 1 if signum == signal.SIGUSR1 else 2
         else:
