@@ -75,20 +75,25 @@ def run_workers(make_spool: Callable[[], Any], processes: int, handlers: dict, m
     clean = True
     try:
         for share in shares(max_jobs, processes):
-            if stop_signals:  # told to stop while starting: start no more
-                break
             if share == 0:
                 continue
             # Held back around the fork, so that a child has its own handlers
             # in place before any signal (a relayed stop) can reach it.
             signal.pthread_sigmask(signal.SIG_BLOCK, ALL_HANDLED)
-            for stream in (sys.stdout, sys.stderr):  # or a child would print what the parent buffered
-                _flush(stream)
-            pid = os.fork()
-            if pid == 0:
-                _worker_process(make_spool, handlers, share, max_time, watch, poll, log, parent)
-            children.add(pid)
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, ALL_HANDLED)
+            try:
+                # Checked only now: a signal that came just before may have
+                # had its handler run as they were blocked, telling only the
+                # workers started so far.
+                if stop_signals:  # told to stop while starting: start no more
+                    break
+                for stream in (sys.stdout, sys.stderr):  # or a child would print what the parent buffered
+                    _flush(stream)
+                pid = os.fork()
+                if pid == 0:
+                    _worker_process(make_spool, handlers, share, max_time, watch, poll, log, parent)
+                children.add(pid)
+            finally:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, ALL_HANDLED)
         while children:
             # Learn which child ended before reaping it: until it is reaped
             # its pid cannot be reused, so a signal passed on meanwhile never

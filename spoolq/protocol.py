@@ -490,7 +490,7 @@ class SpoolDir:
         if "workers" in self._fds:
             old = time.time() - 60
             with os.scandir(self.fd("workers")) as it:
-                stale = [e.name for e in it if e.name.startswith(".") and e.stat(follow_symlinks=False).st_mtime < old]
+                stale = [e.name for e in it if e.name.startswith(".") and _changed_before(e, old)]
             for name in stale:
                 if self.is_locked("workers", name) is False:
                     _unlink_quietly(self.fd("workers"), name)
@@ -1054,6 +1054,16 @@ class Held:
 
 # --------------------------------------------------------------------------
 # helpers
+
+
+def _changed_before(entry: os.DirEntry, when: float) -> bool:
+    """Whether a listed file was last changed before ``when``; a file gone
+    since the listing (another worker's registration, renamed into place as
+    this one starts) was not."""
+    try:
+        return entry.stat(follow_symlinks=False).st_mtime < when
+    except FileNotFoundError:
+        return False
 
 
 def refuse_non_directory(path: str) -> None:
