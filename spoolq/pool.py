@@ -90,7 +90,7 @@ def run_workers(make_spool: Callable[[], Any], processes: int, handlers: dict, m
                     _flush(stream)
                 pid = os.fork()
                 if pid == 0:
-                    _worker_process(make_spool, handlers, share, max_time, watch, poll, log, parent)
+                    _worker_process(make_spool, handlers, share, max_time, watch, poll, log, parent, processes)
                 children.add(pid)
             finally:
                 signal.pthread_sigmask(signal.SIG_UNBLOCK, ALL_HANDLED)
@@ -129,13 +129,13 @@ def _flush(stream: Any) -> None:
         pass
 
 
-def _worker_process(make_spool, handlers, share, max_time, watch, poll, log, parent) -> None:
+def _worker_process(make_spool, handlers, share, max_time, watch, poll, log, parent, processes) -> None:
     """The body of one worker process (its signals blocked until its
     handlers are in place); never returns."""
     code = 1
     try:
         worker = Worker(make_spool(), handlers=handlers, jobs=1, max_jobs=share, max_time=max_time,
-                        watch=watch, poll=poll, log=log, relayed=True)
+                        watch=watch, poll=poll, log=log, relayed=True, processes=processes)
         # Until run() puts them in place (the same ones).
         for sig in ALL_HANDLED:
             signal.signal(sig, worker._on_signal)

@@ -223,8 +223,23 @@ def _tail(fd: int, limit: int) -> str:
     return data.decode("utf-8", errors="replace")
 
 
-def _wait_exit(pid: int, pidfd: int | None, timeout: float | None) -> bool:
-    """Wait until ``pid`` has exited (without reaping it); False on timeout."""
+def _wait_exit(pid: int, pidfd: int | None, timeout: float | None, spin_until: float | None = None) -> bool:
+    """Wait until ``pid`` has exited (without reaping it); False on timeout.
+
+    Until ``spin_until`` (a monotonic time) it polls instead of sleeping,
+    yielding the CPU between polls: see Worker's SPIN_WINDOW for why."""
+    began = time.monotonic()
+    if spin_until is not None and began < spin_until:
+        end = spin_until if timeout is None else min(spin_until, began + timeout)
+        try:
+            while time.monotonic() < end:
+                if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                    return True
+                os.sched_yield()
+        except ChildProcessError:
+            return True
+        if timeout is not None:
+            timeout = max(0.0, timeout - (time.monotonic() - began))
     if pidfd is not None:
         ready, _, _ = select.select([pidfd], [], [], timeout)
         return bool(ready)
@@ -274,11 +289,13 @@ def _trim(fd: int, keep: int) -> None:
 
 
 def _supervise(pid: int, limits: Limits, handle: RunHandle, outputs: tuple[int, ...] = (), keep: int = 0,
-               on_slow: tuple[float, Callable[[], None]] | None = None, started: float | None = None) -> bool:
+               on_slow: tuple[float, Callable[[], None]] | None = None, started: float | None = None,
+               spin: float = 0.0) -> bool:
     """Wait for a child, enforcing the timeout (counted from ``started``,
     a monotonic time, else from now) on its process group and keeping its
     captured output bounded. Returns whether it timed out. The child is left
-    for the caller to reap."""
+    for the caller to reap. Until ``spin`` seconds after ``started`` the
+    wait polls rather than sleeps (see _wait_exit)."""
     try:
         pidfd = os.pidfd_open(pid)
     except (AttributeError, OSError):
@@ -287,11 +304,12 @@ def _supervise(pid: int, limits: Limits, handle: RunHandle, outputs: tuple[int, 
         if started is None:
             started = time.monotonic()
         deadline = started + limits.timeout if limits.timeout > 0 else None
+        spin_until = started + spin if spin > 0 else None
         if on_slow is not None:
             slow_after, slow = on_slow
             if deadline is not None:
                 slow_after = min(slow_after, max(0.0, deadline - time.monotonic()))
-            if _wait_exit(pid, pidfd, slow_after):
+            if _wait_exit(pid, pidfd, slow_after, spin_until):
                 return False
             slow()
         while True:
@@ -299,7 +317,7 @@ def _supervise(pid: int, limits: Limits, handle: RunHandle, outputs: tuple[int, 
             if deadline is not None:
                 left = max(0.0, deadline - time.monotonic())
                 wait = left if wait is None else min(wait, left)
-            if _wait_exit(pid, pidfd, wait):
+            if _wait_exit(pid, pidfd, wait, spin_until):
                 return False
             if deadline is not None and time.monotonic() >= deadline:
                 break
@@ -332,6 +350,7 @@ def run_process(
     threaded: bool = False,
     outputs: tuple[int, int] | None = None,
     spent: list[int] | None = None,
+    spin: float = 0.0,
 ) -> Outcome:
     """Run a command or argv job to its end and report what happened.
 
@@ -344,7 +363,8 @@ def run_process(
     ``close``: the descriptors the job must not inherit, if the caller knows
     them already (see inheritable_fds); else they are looked up now.
     ``on_slow`` = (seconds, callback): called once if the job is still
-    running after that long."""
+    running after that long. ``spin``: how long after the spawn to poll
+    for the job's exit rather than sleep (see _wait_exit)."""
     out = Outcome(start=time.time())
     if job.get("argv") is not None:
         argv = list(job["argv"])
@@ -388,7 +408,7 @@ def run_process(
             if handle.interrupted:  # a kill arrived before the pid was known
                 handle.kill()
             out.timed_out = _supervise(proc.pid, limits, handle, (stdout_fd, stderr_fd), limits.output_limit, on_slow,
-                                       started)
+                                       started, spin)
         except BaseException:
             # Whatever went wrong here, leave nothing running behind us.
             _killpg(proc.pid, signal.SIGKILL)

@@ -46,6 +46,15 @@ LOOK_AHEAD_HOLD = 0.005
 # soon, up to this many times in a row, before it sleeps or ends a drain.
 BUSY_RETRY_DELAY = 2 * LOOK_AHEAD_HOLD
 BUSY_RETRIES = 100
+# -j 1 waits for a short job's exit by polling (yielding the CPU between
+# polls) for up to this long after the spawn, instead of sleeping: on a VM a
+# worker whose CPU went idle takes tens of microseconds to wake, and the job
+# and the worker then trade CPUs on every job. It is done only while the
+# last job ran shorter than this, and only when every worker process on the
+# spool and its job can have a CPU of their own; else polling would take
+# the CPU from a job.
+SPIN_WINDOW = 0.002
+SPIN_RECOUNT_SECONDS = 1.0  # how often the live workers on the spool are counted again for that
 COMPACT_CHECK_JOBS = 1000  # count done/ for auto-compaction after this many jobs ...
 COMPACT_CHECK_SECONDS = 60.0  # ... or this long
 RELAYED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)  # stop, stop now: from the parent of a worker pool
@@ -136,6 +145,7 @@ class Worker:
         waker: Waker | None = None,
         recover: bool = True,
         relayed: bool = False,
+        processes: int = 1,
     ):
         if jobs < 1:
             raise ValueError("jobs must be at least 1")
@@ -156,6 +166,7 @@ class Worker:
         # systemd's whole control group) are left to the parent, so that one
         # signal never counts twice.
         self.relayed = relayed
+        self.processes = processes  # worker processes of the same command, this one included
         self.recover = recover
         self.waker = waker
         self.ran = 0
@@ -197,11 +208,19 @@ class Worker:
         # one runs, and the last one's, closed once the next has started.
         self._spare_outputs: tuple[int, int] | None = None
         self._spent_fds: list[int] = []
+        # -j 1: whether there is a CPU to spare for polling (see SPIN_WINDOW),
+        # counted again every SPIN_RECOUNT_SECONDS, and whether the last job was short.
+        self._cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        self._spin_ok = False
+        self._spin_counted = -SPIN_RECOUNT_SECONDS
+        self._last_short = True
         self._busy_this_pass = 0  # due files another process held when we tried them
         # (Tests lengthen the hold to catch a worker killed while it holds one.)
         self._look_ahead_hold = float(os.environ.get("SPOOLQ_TEST_LOOK_AHEAD_HOLD") or LOOK_AHEAD_HOLD)
         # (And lengthen the commit interval, to count the syncs jobs share however slow the host.)
         self._commit_seconds = float(os.environ.get("SPOOLQ_TEST_COMMIT_SECONDS") or COMMIT_SECONDS)
+        # (And widen the polling window, to see it used however slow the host.)
+        self._spin_window = float(os.environ.get("SPOOLQ_TEST_SPIN_WINDOW") or SPIN_WINDOW)
         self._next_compact_ran = 0
         self._next_compact_time = 0.0
         self._base_env = dict(os.environ)
@@ -592,11 +611,13 @@ class Worker:
                 else:
                     out = fork_handler(handler, job, limits, handle, spawned, on_slow)
             else:
-                outputs, spent = None, None
+                outputs, spent, spin = None, None, 0.0
                 if self.jobs == 1:
                     outputs, self._spare_outputs, spent = self._spare_outputs, None, self._spent_fds
+                    spin = self._spin_window if self._last_short and self._may_spin() else 0.0
                 out = run_process(job, self._env(job, attempt), limits, handle, spawned, self._spawn_closes, on_slow,
-                                  threaded=self.jobs > 1, outputs=outputs, spent=spent)
+                                  threaded=self.jobs > 1, outputs=outputs, spent=spent, spin=spin)
+                self._last_short = out.end - out.start < self._spin_window
         except ForcedStop:
             out = Outcome(start=time.time(), end=time.time(), error="killed: the worker was told to stop now", interrupted=True)
         except Exception as e:  # spoolq's own failure to run it: a failed run, not a dead worker
@@ -609,6 +630,20 @@ class Worker:
             self._unrecorded = (claimed, out)
         else:
             self._record(claimed, out)
+
+    def _may_spin(self) -> bool:
+        """Whether each worker process on the spool (of this command, or
+        registered by any other) and each one's job can have a CPU: then
+        polling for a short job's exit takes no CPU a job could use."""
+        now = time.monotonic()
+        if now - self._spin_counted >= SPIN_RECOUNT_SECONDS:
+            self._spin_counted = now
+            try:
+                workers = max(self.processes, self.spool.dir.count("workers"))
+            except OSError:
+                workers = self._cpus  # unknown: do not poll
+            self._spin_ok = self._cpus >= 2 * workers
+        return self._spin_ok
 
     def _look_ahead(self) -> None:
         """-j 1: prepare the next entry of the pass (lock, read, validate;

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
+
+import pytest
 
 from conftest import SPOOLQ, wait_for
 
@@ -573,3 +577,54 @@ def test_a_job_gets_sigpipe_and_sigxfsz_at_their_defaults(fast_spool):
     ignored = int(job["stdout"].split()[1], 16)
     assert not ignored & (1 << (signal.SIGPIPE - 1)) and not ignored & (1 << (signal.SIGXFSZ - 1))
     assert job["stdout"].split()[2:] == ["y"] and "stderr" not in job and job["state"] == "done"
+
+
+def _polled_pids(spool, *work_args: str, cpus: str, window: str) -> tuple[set[int], set[int]]:
+    """Run ``spoolq work`` on the CPUs ``cpus`` under strace; return the
+    pids of the job processes whose exit the worker polled for (waitid with
+    WNOHANG, see worker.SPIN_WINDOW) and of all the job processes."""
+    log = spool.path.parent / "waitid.log"
+    subprocess.run(
+        ["taskset", "-c", cpus, "strace", "-f", "-qq", "--seccomp-bpf", "-e", "trace=waitid,execve", "-o", str(log)]
+        + SPOOLQ + ["-s", str(spool.path), "work", *work_args],
+        capture_output=True, text=True, check=True, timeout=120,
+        env={**os.environ, "SPOOLQ_TEST_SPIN_WINDOW": window},
+    )
+    polled, jobs = set(), set()
+    for line in log.read_text().splitlines():
+        pid, call = line.split(None, 1)
+        if re.match(r"waitid\(P_PID, \d+, .*WNOHANG", call):
+            polled.add(int(call.split(",")[1]))
+        elif re.match(r'execve\("[^"]*/(true|sleep)"', call):
+            jobs.add(int(pid))
+    return polled, jobs
+
+
+@pytest.mark.skipif(shutil.which("strace") is None or shutil.which("taskset") is None
+                    or len(os.sched_getaffinity(0)) < 2, reason="needs strace, taskset and two CPUs")
+def test_a_lone_worker_polls_for_short_jobs_only_with_a_cpu_to_spare(fast_spool):
+    """-j 1 polls for a short job's exit rather than sleep (a VM's idle CPU
+    is slow to wake) only when it and its job can each have a CPU, and only
+    while jobs are short: never with one CPU, never for two worker
+    processes on two CPUs, and after a long job not for the next."""
+    s = fast_spool
+
+    def enqueue(argv: list[str], n: int) -> None:
+        s.run("enqueue", "--jsonl", "-", input="".join(json.dumps({"argv": argv}) + "\n" for _ in range(n)))
+
+    enqueue(["true"], 6)
+    polled, jobs = _polled_pids(s, cpus="0,1", window="30")
+    assert len(jobs) == 6 and polled == jobs  # two CPUs, one worker: every short job
+
+    enqueue(["true"], 6)
+    polled, jobs = _polled_pids(s, cpus="0", window="30")
+    assert len(jobs) == 6 and not polled  # one CPU: the job needs it
+
+    enqueue(["true"], 6)
+    polled, jobs = _polled_pids(s, "-j", "2", cpus="0,1", window="30")
+    assert len(jobs) == 6 and not polled  # two workers and their jobs on two CPUs
+
+    enqueue(["sleep", "0.3"], 3)
+    polled, jobs = _polled_pids(s, cpus="0,1", window="0.1")
+    assert len(jobs) == 3 and len(polled) == 1 and polled < jobs  # only the first, before a job was seen to be long
+    assert len(s.ids("done")) == 21
