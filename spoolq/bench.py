@@ -223,11 +223,16 @@ class Bench:
         ``subprocess.run(["true"])`` loop of ``n`` runs split in quarters
         around them: bare, -j 1, bare, bare, -j 2, bare. Each drain sits
         between equal shares of the bare loop, so a host that speeds up or
-        slows down during the run moves both sides alike."""
+        slows down during the run moves both sides alike. Each part starts
+        with nothing left for the kernel to write back (an untimed sync),
+        and a drain's time includes writing back what it wrote (a sync at
+        its end): with fsync off, the kernel would otherwise write a drain's
+        10,000 records while a later part of the bare loop runs."""
         quarter = max(1, n // 4)
         bare = 0.0
         drains = {}
         for step in ("bare", 1, "bare", "bare", 2, "bare"):
+            os.sync()
             if step == "bare":
                 bare += self.loop(f"bare true ({quarter:,})", quarter, lambda i: subprocess.run(["true"]))
             else:
@@ -240,8 +245,10 @@ class Bench:
     def _drain_true(self, n: int, jobs: int) -> float:
         spool = self.fresh_spool(f"true-j{jobs}")
         spool.enqueue_many([{"argv": ["true"]}] * n)
+        os.sync()
         start = time.perf_counter()
         subprocess.run(SPOOLQ_CMD + ["-s", spool.path, "work", "-q", "-j", str(jobs)], check=True)
+        os.sync()
         seconds = time.perf_counter() - start
         done = spool.status()["done"]
         assert done == n, (done, n)

@@ -154,3 +154,46 @@ def kill_run(worker_id: str, worker_boot: str, pgid: int | None, spawn_window: t
                 killed += 1
         time.sleep(0.01)  # give the kernel a moment to reap what we killed
     return killed
+
+
+def usable_cpus() -> int:
+    """How many CPUs this process may use: those it may run on, fewer when
+    its cgroup's CPU quota allows less (a container started with --cpus)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    quota = _cgroup_cpu_quota()
+    if quota is not None:
+        cpus = min(cpus, max(1, int(quota)))
+    return cpus
+
+
+def _cgroup_cpu_quota() -> float | None:
+    """The CPU quota (in CPUs) of this process's cgroup, None if unlimited
+    or unknown. cgroup v2 (cpu.max) and v1 (cpu.cfs_quota_us)."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        try:
+            if hierarchy == "0" and controllers == "":
+                with open(f"/sys/fs/cgroup{path}/cpu.max") as f:
+                    quota, period = f.read().split()[:2]
+                if quota != "max":
+                    return int(quota) / int(period)
+            elif "cpu" in controllers.split(","):
+                base = f"/sys/fs/cgroup/{controllers}{path}"
+                with open(f"{base}/cpu.cfs_quota_us") as f:
+                    quota = int(f.read())
+                with open(f"{base}/cpu.cfs_period_us") as f:
+                    period = int(f.read())
+                if quota > 0:
+                    return quota / period
+        except (OSError, ValueError):
+            continue
+    return None

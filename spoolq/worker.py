@@ -28,7 +28,7 @@ import threading
 import time
 from typing import Any, Callable, TextIO
 
-from . import config, transitions
+from . import config, procs, transitions
 from .protocol import Entry
 from .record import rfc3339
 from .registry import Registration
@@ -51,8 +51,8 @@ BUSY_RETRIES = 100
 # worker whose CPU went idle takes tens of microseconds to wake, and the job
 # and the worker then trade CPUs on every job. It is done only while the
 # last job ran shorter than this, and only when every worker process on the
-# spool and its job can have a CPU of their own; else polling would take
-# the CPU from a job.
+# spool and its job can have a CPU of their own and the load average is
+# below the CPU count; else polling would take the CPU from a job.
 SPIN_WINDOW = 0.002
 SPIN_RECOUNT_SECONDS = 1.0  # how often the live workers on the spool are counted again for that
 COMPACT_CHECK_JOBS = 1000  # count done/ for auto-compaction after this many jobs ...
@@ -210,7 +210,7 @@ class Worker:
         self._spent_fds: list[int] = []
         # -j 1: whether there is a CPU to spare for polling (see SPIN_WINDOW),
         # counted again every SPIN_RECOUNT_SECONDS, and whether the last job was short.
-        self._cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        self._cpus = procs.usable_cpus()
         self._spin_ok = False
         self._spin_counted = -SPIN_RECOUNT_SECONDS
         self._last_short = True
@@ -221,6 +221,8 @@ class Worker:
         self._commit_seconds = float(os.environ.get("SPOOLQ_TEST_COMMIT_SECONDS") or COMMIT_SECONDS)
         # (And widen the polling window, to see it used however slow the host.)
         self._spin_window = float(os.environ.get("SPOOLQ_TEST_SPIN_WINDOW") or SPIN_WINDOW)
+        # (And stand in for the load average, which the test suite itself raises.)
+        self._test_load = os.environ.get("SPOOLQ_TEST_LOADAVG")
         self._next_compact_ran = 0
         self._next_compact_time = 0.0
         self._base_env = dict(os.environ)
@@ -615,9 +617,10 @@ class Worker:
                 if self.jobs == 1:
                     outputs, self._spare_outputs, spent = self._spare_outputs, None, self._spent_fds
                     spin = self._spin_window if self._last_short and self._may_spin() else 0.0
+                began = time.monotonic()
                 out = run_process(job, self._env(job, attempt), limits, handle, spawned, self._spawn_closes, on_slow,
                                   threaded=self.jobs > 1, outputs=outputs, spent=spent, spin=spin)
-                self._last_short = out.end - out.start < self._spin_window
+                self._last_short = time.monotonic() - began < self._spin_window
         except ForcedStop:
             out = Outcome(start=time.time(), end=time.time(), error="killed: the worker was told to stop now", interrupted=True)
         except Exception as e:  # spoolq's own failure to run it: a failed run, not a dead worker
@@ -633,16 +636,19 @@ class Worker:
 
     def _may_spin(self) -> bool:
         """Whether each worker process on the spool (of this command, or
-        registered by any other) and each one's job can have a CPU: then
-        polling for a short job's exit takes no CPU a job could use."""
+        registered by any other) and each one's job can have a CPU of those
+        this process may use, and the machine is not busier than its CPUs
+        (the load average, which counts any other work): then polling for
+        a short job's exit takes no CPU a job could use."""
         now = time.monotonic()
         if now - self._spin_counted >= SPIN_RECOUNT_SECONDS:
             self._spin_counted = now
             try:
                 workers = max(self.processes, self.spool.dir.count("workers"))
+                load = float(self._test_load) if self._test_load else os.getloadavg()[0]
             except OSError:
-                workers = self._cpus  # unknown: do not poll
-            self._spin_ok = self._cpus >= 2 * workers
+                workers, load = self._cpus, float(self._cpus)  # unknown: do not poll
+            self._spin_ok = self._cpus >= 2 * workers and load < self._cpus
         return self._spin_ok
 
     def _look_ahead(self) -> None:

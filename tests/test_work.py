@@ -579,52 +579,128 @@ def test_a_job_gets_sigpipe_and_sigxfsz_at_their_defaults(fast_spool):
     assert job["stdout"].split()[2:] == ["y"] and "stderr" not in job and job["state"] == "done"
 
 
-def _polled_pids(spool, *work_args: str, cpus: str, window: str) -> tuple[set[int], set[int]]:
-    """Run ``spoolq work`` on the CPUs ``cpus`` under strace; return the
-    pids of the job processes whose exit the worker polled for (waitid with
-    WNOHANG, see worker.SPIN_WINDOW) and of all the job processes."""
+
+def _strace_filters() -> bool:
+    """Whether strace runs here, with seccomp-bpf filtering (ptrace may be refused)."""
+    if shutil.which("strace") is None:
+        return False
+    return subprocess.run(["strace", "-f", "-qq", "--seccomp-bpf", "-e", "trace=execve", "-o", os.devnull, "true"],
+                          capture_output=True).returncode == 0
+
+
+def _has_pidfd() -> bool:
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+        return True
+    except (AttributeError, OSError):
+        return False  # the runner then polls anyway (its fallback), which this test could not tell apart
+
+
+def _cpu_cgroup(quota: float) -> str | None:
+    """A new cgroup limited to ``quota`` CPUs; its folder, None when one
+    cannot be made here (not root, or no writable cpu controller)."""
+    name = f"spoolq-test-{os.getpid()}"
+    v2 = "/sys/fs/cgroup"
+    try:
+        with open(f"{v2}/cgroup.controllers") as f:
+            has_cpu_v2 = "cpu" in f.read().split()
+    except OSError:
+        has_cpu_v2 = False
+    try:
+        if has_cpu_v2:
+            path = f"{v2}/{name}"
+            os.mkdir(path)
+            with open(f"{path}/cpu.max", "w") as f:
+                f.write(f"{int(quota * 100000)} 100000")
+        else:
+            path = f"/sys/fs/cgroup/cpu/{name}"
+            os.mkdir(path)
+            with open(f"{path}/cpu.cfs_quota_us", "w") as f:
+                f.write(str(int(quota * 100000)))
+        return path
+    except OSError:
+        return None
+
+
+def _polled_pids(spool, *work_args: str, cpus: list[int], window: str = "30", load: str = "0",
+                 cgroup: str | None = None) -> tuple[set[int], set[int]]:
+    """Run ``spoolq work`` on the CPUs ``cpus`` (in ``cgroup``) under
+    strace, with the load average taken as ``load``; return the pids of the
+    job processes whose exit the worker polled for (waitid with WNOHANG and
+    WNOWAIT, see worker.SPIN_WINDOW) and of all the job processes."""
     log = spool.path.parent / "waitid.log"
+    enter = ["sh", "-c", f'echo $$ > {cgroup}/cgroup.procs && exec "$@"', "sh"] if cgroup else []
     subprocess.run(
-        ["taskset", "-c", cpus, "strace", "-f", "-qq", "--seccomp-bpf", "-e", "trace=waitid,execve", "-o", str(log)]
+        enter + ["taskset", "-c", ",".join(map(str, cpus)),
+                 "strace", "-f", "-qq", "--seccomp-bpf", "-e", "trace=waitid,execve", "-o", str(log)]
         + SPOOLQ + ["-s", str(spool.path), "work", *work_args],
         capture_output=True, text=True, check=True, timeout=120,
-        env={**os.environ, "SPOOLQ_TEST_SPIN_WINDOW": window},
+        env={**os.environ, "SPOOLQ_TEST_SPIN_WINDOW": window, "SPOOLQ_TEST_LOADAVG": load},
     )
     polled, jobs = set(), set()
     for line in log.read_text().splitlines():
         pid, call = line.split(None, 1)
         if re.match(r"waitid\(P_PID, \d+, .*WNOHANG", call):
+            assert "WNOWAIT" in call, call  # polling must not reap: the runner reaps once it knows
             polled.add(int(call.split(",")[1]))
-        elif re.match(r'execve\("[^"]*/(true|sleep)"', call):
+        elif re.match(r'execve\("[^"]*/(true|sleep|sh)"', call):
             jobs.add(int(pid))
     return polled, jobs
 
 
-@pytest.mark.skipif(shutil.which("strace") is None or shutil.which("taskset") is None
-                    or len(os.sched_getaffinity(0)) < 2, reason="needs strace, taskset and two CPUs")
-def test_a_lone_worker_polls_for_short_jobs_only_with_a_cpu_to_spare(fast_spool):
+@pytest.mark.skipif(not _strace_filters() or shutil.which("taskset") is None or not _has_pidfd()
+                    or len(os.sched_getaffinity(0)) < 2, reason="needs strace (seccomp-bpf), taskset, pidfd and two CPUs")
+def test_a_lone_worker_polls_for_short_jobs_only_with_a_cpu_to_spare(fast_spool, tmp_path):
     """-j 1 polls for a short job's exit rather than sleep (a VM's idle CPU
-    is slow to wake) only when it and its job can each have a CPU, and only
-    while jobs are short: never with one CPU, never for two worker
-    processes on two CPUs, and after a long job not for the next."""
+    is slow to wake) only when it and its job can each have a CPU, the load
+    average is below the CPU count, and jobs are short: not with one CPU,
+    nor under a one-CPU cgroup quota, nor for two worker processes on two
+    CPUs, nor under load, and after a long job not for the next."""
     s = fast_spool
+    two = sorted(os.sched_getaffinity(0))[:2]
 
-    def enqueue(argv: list[str], n: int) -> None:
-        s.run("enqueue", "--jsonl", "-", input="".join(json.dumps({"argv": argv}) + "\n" for _ in range(n)))
+    def enqueue(argv: list[str], n: int, **fields) -> None:
+        s.run("enqueue", "--jsonl", "-", input="".join(json.dumps({"argv": argv, **fields}) + "\n" for _ in range(n)))
 
-    enqueue(["true"], 6)
-    polled, jobs = _polled_pids(s, cpus="0,1", window="30")
+    enqueue(["true"], 5)
+    enqueue(["sh", "-c", "exit 3"], 1, cwd=str(tmp_path))  # a job with a cwd is started by Popen: polled too
+    polled, jobs = _polled_pids(s, cpus=two)
     assert len(jobs) == 6 and polled == jobs  # two CPUs, one worker: every short job
+    assert len(s.ids("done")) == 5 and len(s.ids("failed")) == 1  # and each exit status is the job's own
+    assert s.show(s.ids("failed")[0])["exit_code"] == 3
 
     enqueue(["true"], 6)
-    polled, jobs = _polled_pids(s, cpus="0", window="30")
+    polled, jobs = _polled_pids(s, cpus=two[:1])
     assert len(jobs) == 6 and not polled  # one CPU: the job needs it
 
     enqueue(["true"], 6)
-    polled, jobs = _polled_pids(s, "-j", "2", cpus="0,1", window="30")
+    polled, jobs = _polled_pids(s, "-j", "2", cpus=two)
     assert len(jobs) == 6 and not polled  # two workers and their jobs on two CPUs
 
+    enqueue(["true"], 6)
+    polled, jobs = _polled_pids(s, cpus=two, load="2.5")
+    assert len(jobs) == 6 and not polled  # a machine busier than its CPUs
+
     enqueue(["sleep", "0.3"], 3)
-    polled, jobs = _polled_pids(s, cpus="0,1", window="0.1")
+    polled, jobs = _polled_pids(s, cpus=two, window="0.1")
     assert len(jobs) == 3 and len(polled) == 1 and polled < jobs  # only the first, before a job was seen to be long
-    assert len(s.ids("done")) == 21
+    assert len(s.ids("done")) == 26
+
+    cgroup = _cpu_cgroup(1.0) if os.geteuid() == 0 else None
+    if cgroup is not None:
+        try:
+            enqueue(["true"], 6)
+            polled, jobs = _polled_pids(s, cpus=two, cgroup=cgroup)
+            assert len(jobs) == 6 and not polled  # two CPUs, but a quota of one
+        finally:
+            os.rmdir(cgroup)
+
+
+def test_a_timeout_holds_while_the_worker_polls(fast_spool):
+    """A polling window longer than a job's timeout does not delay the kill."""
+    job_id = fast_spool.enqueue("--timeout", "0.3", "--argv", "--", "sleep", "30")
+    started = time.monotonic()
+    fast_spool.work(env={"SPOOLQ_TEST_SPIN_WINDOW": "20", "SPOOLQ_TEST_LOADAVG": "0"})
+    assert time.monotonic() - started < 15  # the job's 30 s sleep was cut short
+    job = fast_spool.show(job_id)
+    assert job["error"] == "timed out after 0.3s" and job["exit_code"] == -15
