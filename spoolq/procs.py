@@ -156,44 +156,82 @@ def kill_run(worker_id: str, worker_boot: str, pgid: int | None, spawn_window: t
     return killed
 
 
+
 def usable_cpus() -> int:
     """How many CPUs this process may use: those it may run on, fewer when
-    its cgroup's CPU quota allows less (a container started with --cpus)."""
+    its cgroup's CPU quota (or a parent's) allows less (a container started
+    with --cpus, a systemd unit with CPUQuota=)."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cpus = os.cpu_count() or 1
-    quota = _cgroup_cpu_quota()
+    quota = cgroup_cpu_quota()
     if quota is not None:
         cpus = min(cpus, max(1, int(quota)))
     return cpus
 
 
-def _cgroup_cpu_quota() -> float | None:
-    """The CPU quota (in CPUs) of this process's cgroup, None if unlimited
-    or unknown. cgroup v2 (cpu.max) and v1 (cpu.cfs_quota_us)."""
+def cgroup_cpu_quota(cgroup_file: str = "/proc/self/cgroup", mountinfo_file: str = "/proc/self/mountinfo") -> float | None:
+    """The tightest CPU quota (in CPUs) on this process's cgroup and its
+    parents, None if there is none or it cannot be read; never raises.
+    cgroup v2 (cpu.max) and v1 (cpu.cfs_quota_us over cpu.cfs_period_us).
+    The cgroup's folder is found through the mount table, whose root may
+    be the cgroup itself (inside a container)."""
     try:
-        with open("/proc/self/cgroup") as f:
-            lines = f.read().splitlines()
-    except OSError:
+        with open(cgroup_file, encoding="utf-8", errors="surrogateescape") as f:
+            memberships = [line.split(":", 2) for line in f.read().splitlines()]
+        with open(mountinfo_file, encoding="utf-8", errors="surrogateescape") as f:
+            mounts = [line.split() for line in f.read().splitlines()]
+        best: float | None = None
+        for fields in memberships:
+            if len(fields) != 3:
+                continue
+            hierarchy, controllers, path = fields
+            v2 = hierarchy == "0" and controllers == ""
+            if not v2 and "cpu" not in controllers.split(","):
+                continue
+            for mount in mounts:
+                if "-" not in mount:
+                    continue
+                tail = mount[mount.index("-") + 1:]
+                if len(mount) < 5 or len(tail) < 3:
+                    continue
+                if v2 != (tail[0] == "cgroup2") or (not v2 and "cpu" not in tail[2].split(",")):
+                    continue
+                quota = _quota_up_from(mount[4], mount[3], path, v2)
+                if quota is not None and (best is None or quota < best):
+                    best = quota
+        return best
+    except Exception:  # odd /proc or /sys contents must never stop a worker
         return None
-    for line in lines:
-        hierarchy, _, rest = line.partition(":")
-        controllers, _, path = rest.partition(":")
+
+
+def _quota_up_from(mountpoint: str, root: str, path: str, v2: bool) -> float | None:
+    """The smallest quota from ``path``'s folder up to the mount point."""
+    root = root.rstrip("/")
+    if path != root and not path.startswith(root + "/"):
+        return None  # this mount does not show our cgroup
+    folder = os.path.normpath(mountpoint + path[len(root):])
+    best: float | None = None
+    while True:
+        quota = None
         try:
-            if hierarchy == "0" and controllers == "":
-                with open(f"/sys/fs/cgroup{path}/cpu.max") as f:
-                    quota, period = f.read().split()[:2]
-                if quota != "max":
-                    return int(quota) / int(period)
-            elif "cpu" in controllers.split(","):
-                base = f"/sys/fs/cgroup/{controllers}{path}"
-                with open(f"{base}/cpu.cfs_quota_us") as f:
-                    quota = int(f.read())
-                with open(f"{base}/cpu.cfs_period_us") as f:
+            if v2:
+                with open(os.path.join(folder, "cpu.max")) as f:
+                    limit, period = f.read().split()[:2]
+                if limit != "max" and int(period) > 0:
+                    quota = int(limit) / int(period)
+            else:
+                with open(os.path.join(folder, "cpu.cfs_quota_us")) as f:
+                    limit = int(f.read())
+                with open(os.path.join(folder, "cpu.cfs_period_us")) as f:
                     period = int(f.read())
-                if quota > 0:
-                    return quota / period
+                if limit > 0 and period > 0:
+                    quota = limit / period
         except (OSError, ValueError):
-            continue
-    return None
+            pass
+        if quota is not None and (best is None or quota < best):
+            best = quota
+        if folder == os.path.normpath(mountpoint) or folder in ("/", ""):
+            return best
+        folder = os.path.dirname(folder)

@@ -598,7 +598,7 @@ class SpoolDir:
                 written.append((tmp, name))
                 _close_held(fd)
             if self.fsync and written:
-                _syncfs(tmp_dir)
+                syncfs(tmp_dir)
             new_dir = self.fd("new")
             for tmp, name in written:
                 rename_noreplace(tmp_dir, tmp, new_dir, name)
@@ -1137,7 +1137,7 @@ def _unlink_quietly(dir_fd: int, name: str) -> None:
 _syncfs_func = None
 
 
-def _syncfs(fd: int) -> None:
+def syncfs(fd: int) -> None:
     """Flush the whole filesystem holding ``fd`` (one sync for many files)."""
     global _syncfs_func
     if _syncfs_func is None:

@@ -51,8 +51,9 @@ BUSY_RETRIES = 100
 # worker whose CPU went idle takes tens of microseconds to wake, and the job
 # and the worker then trade CPUs on every job. It is done only while the
 # last job ran shorter than this, and only when every worker process on the
-# spool and its job can have a CPU of their own and the load average is
-# below the CPU count; else polling would take the CPU from a job.
+# spool and its job can have a CPU of their own (of those it may use) and
+# the machine's load average is below its CPU count; else polling would
+# take the CPU from a job.
 SPIN_WINDOW = 0.002
 SPIN_RECOUNT_SECONDS = 1.0  # how often the live workers on the spool are counted again for that
 COMPACT_CHECK_JOBS = 1000  # count done/ for auto-compaction after this many jobs ...
@@ -639,7 +640,8 @@ class Worker:
         registered by any other) and each one's job can have a CPU of those
         this process may use, and the machine is not busier than its CPUs
         (the load average, which counts any other work): then polling for
-        a short job's exit takes no CPU a job could use."""
+        a short job's exit takes no CPU a job could use. (And it yields the
+        CPU between polls, so other work that turns up goes first.)"""
         now = time.monotonic()
         if now - self._spin_counted >= SPIN_RECOUNT_SECONDS:
             self._spin_counted = now
@@ -647,8 +649,9 @@ class Worker:
                 workers = max(self.processes, self.spool.dir.count("workers"))
                 load = float(self._test_load) if self._test_load else os.getloadavg()[0]
             except OSError:
-                workers, load = self._cpus, float(self._cpus)  # unknown: do not poll
-            self._spin_ok = self._cpus >= 2 * workers and load < self._cpus
+                workers, load = self._cpus, float("inf")  # unknown: do not poll
+            # The load average is the whole machine's, so against all its CPUs.
+            self._spin_ok = self._cpus >= 2 * workers and load < (os.cpu_count() or 1)
         return self._spin_ok
 
     def _look_ahead(self) -> None:

@@ -600,26 +600,43 @@ def _cpu_cgroup(quota: float) -> str | None:
     """A new cgroup limited to ``quota`` CPUs; its folder, None when one
     cannot be made here (not root, or no writable cpu controller)."""
     name = f"spoolq-test-{os.getpid()}"
-    v2 = "/sys/fs/cgroup"
     try:
-        with open(f"{v2}/cgroup.controllers") as f:
-            has_cpu_v2 = "cpu" in f.read().split()
+        with open("/sys/fs/cgroup/cgroup.subtree_control") as f:
+            v2 = "cpu" in f.read().split()
     except OSError:
-        has_cpu_v2 = False
+        v2 = False
+    path = f"/sys/fs/cgroup/{name}" if v2 else f"/sys/fs/cgroup/cpu/{name}"
     try:
-        if has_cpu_v2:
-            path = f"{v2}/{name}"
-            os.mkdir(path)
+        os.mkdir(path)
+    except OSError:
+        return None
+    try:
+        if v2:
             with open(f"{path}/cpu.max", "w") as f:
                 f.write(f"{int(quota * 100000)} 100000")
         else:
-            path = f"/sys/fs/cgroup/cpu/{name}"
-            os.mkdir(path)
             with open(f"{path}/cpu.cfs_quota_us", "w") as f:
                 f.write(str(int(quota * 100000)))
         return path
     except OSError:
+        os.rmdir(path)
         return None
+
+
+def _remove_cgroup(path: str) -> None:
+    """Kill whatever still runs in the cgroup (a run that timed out), then remove it."""
+    for _ in range(100):
+        with open(f"{path}/cgroup.procs") as f:
+            pids = [int(p) for p in f.read().split()]
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.05)  # (no event says a killed process has left its cgroup)
+    os.rmdir(path)
 
 
 def _polled_pids(spool, *work_args: str, cpus: list[int], window: str = "30", load: str = "0",
@@ -654,8 +671,8 @@ def test_a_lone_worker_polls_for_short_jobs_only_with_a_cpu_to_spare(fast_spool,
     """-j 1 polls for a short job's exit rather than sleep (a VM's idle CPU
     is slow to wake) only when it and its job can each have a CPU, the load
     average is below the CPU count, and jobs are short: not with one CPU,
-    nor under a one-CPU cgroup quota, nor for two worker processes on two
-    CPUs, nor under load, and after a long job not for the next."""
+    nor for two worker processes on two CPUs, nor under load, and after a
+    long job not for the next (a cgroup quota: the next test)."""
     s = fast_spool
     two = sorted(os.sched_getaffinity(0))[:2]
 
@@ -686,16 +703,67 @@ def test_a_lone_worker_polls_for_short_jobs_only_with_a_cpu_to_spare(fast_spool,
     assert len(jobs) == 3 and len(polled) == 1 and polled < jobs  # only the first, before a job was seen to be long
     assert len(s.ids("done")) == 26
 
+
+@pytest.mark.skipif(not _strace_filters() or shutil.which("taskset") is None or not _has_pidfd()
+                    or len(os.sched_getaffinity(0)) < 2, reason="needs strace (seccomp-bpf), taskset, pidfd and two CPUs")
+def test_a_worker_under_a_one_cpu_quota_does_not_poll(fast_spool):
+    """Two CPUs to run on, but a cgroup quota of one (a container started
+    with --cpus 1): the job needs the CPU the worker would poll on."""
     cgroup = _cpu_cgroup(1.0) if os.geteuid() == 0 else None
-    if cgroup is not None:
-        try:
-            enqueue(["true"], 6)
-            polled, jobs = _polled_pids(s, cpus=two, cgroup=cgroup)
-            assert len(jobs) == 6 and not polled  # two CPUs, but a quota of one
-        finally:
-            os.rmdir(cgroup)
+    if cgroup is None:
+        pytest.skip("cannot make a cgroup with a CPU quota here (needs root and a writable cpu controller)")
+    s = fast_spool
+    try:
+        s.run("enqueue", "--jsonl", "-", input=json.dumps({"argv": ["true"]}) + "\n")
+        polled, jobs = _polled_pids(s, cpus=sorted(os.sched_getaffinity(0))[:2])
+        assert len(jobs) == 1 and polled == jobs  # outside the cgroup: polled
+        s.run("enqueue", "--jsonl", "-", input="".join(json.dumps({"argv": ["true"]}) + "\n" for _ in range(6)))
+        polled, jobs = _polled_pids(s, cpus=sorted(os.sched_getaffinity(0))[:2], cgroup=cgroup)
+        assert len(jobs) == 6 and not polled  # inside: not
+    finally:
+        _remove_cgroup(cgroup)
 
 
+def test_the_cpu_quota_is_read_from_the_cgroup_and_its_parents(tmp_path):
+    """cgroup v1 and v2 as /proc shows them, on a host and in a container
+    (whose mount root is its own cgroup), with quotas on the cgroup or a
+    parent; odd contents give no quota rather than an error."""
+    from spoolq.procs import cgroup_cpu_quota
+
+    def layout(cgroup: str, mountinfo: str, files: dict[str, str]) -> tuple[str, str]:
+        for rel, text in files.items():
+            path = tmp_path / "fs" / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+        (tmp_path / "cgroup").write_text(cgroup)
+        (tmp_path / "mountinfo").write_text(mountinfo.replace("FS", str(tmp_path / "fs")))
+        return str(tmp_path / "cgroup"), str(tmp_path / "mountinfo")
+
+    # v2 on a host: the quota sits on a parent slice.
+    args = layout("0::/app.slice/spoolq.service\n",
+                  "30 23 0:26 / FS/v2 rw - cgroup2 cgroup2 rw\n",
+                  {"v2/app.slice/cpu.max": "150000 100000\n", "v2/app.slice/spoolq.service/cpu.max": "max 100000\n"})
+    assert cgroup_cpu_quota(*args) == 1.5
+    # v1 in a container: /proc shows /docker/abc, mounted as the root of cpu,cpuacct.
+    args = layout("5:cpu,cpuacct:/docker/abc\n4:memory:/docker/abc\n",
+                  "40 31 0:29 /docker/abc FS/v1c rw - cgroup cgroup rw,cpu,cpuacct\n",
+                  {"v1c/cpu.cfs_quota_us": "50000\n", "v1c/cpu.cfs_period_us": "100000\n"})
+    assert cgroup_cpu_quota(*args) == 0.5
+    # No quota anywhere (v1 -1, v2 max), and a root cgroup.
+    args = layout("0::/\n3:cpu:/\n",
+                  "30 23 0:26 / FS/v2r rw - cgroup2 cgroup2 rw\n32 31 0:29 / FS/v1r rw - cgroup cgroup rw,cpu\n",
+                  {"v2r/cpu.max": "max 100000\n", "v1r/cpu.cfs_quota_us": "-1\n", "v1r/cpu.cfs_period_us": "100000\n"})
+    assert cgroup_cpu_quota(*args) is None
+    # Odd contents: a period of 0, garbage lines, bytes that are not UTF-8.
+    args = layout("0::/x\ngarbage\n", "30 23 0:26 / FS/odd rw - cgroup2 cgroup2 rw\nnonsense\n",
+                  {"odd/x/cpu.max": "100000 0\n"})
+    assert cgroup_cpu_quota(*args) is None
+    (tmp_path / "cgroup").write_bytes(b"0::/\xff\xfe\n")
+    assert cgroup_cpu_quota(*args) is None
+    assert cgroup_cpu_quota(str(tmp_path / "missing"), args[1]) is None
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a worker polls only with a CPU to spare")
 def test_a_timeout_holds_while_the_worker_polls(fast_spool):
     """A polling window longer than a job's timeout does not delay the kill."""
     job_id = fast_spool.enqueue("--timeout", "0.3", "--argv", "--", "sleep", "30")
