@@ -156,7 +156,6 @@ def kill_run(worker_id: str, worker_boot: str, pgid: int | None, spawn_window: t
     return killed
 
 
-
 def usable_cpus() -> int:
     """How many CPUs this process may use: those it may run on, fewer when
     its cgroup's CPU quota (or a parent's) allows less (a container started

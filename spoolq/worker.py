@@ -50,10 +50,11 @@ BUSY_RETRIES = 100
 # polls) for up to this long after the spawn, instead of sleeping: on a VM a
 # worker whose CPU went idle takes tens of microseconds to wake, and the job
 # and the worker then trade CPUs on every job. It is done only while the
-# last job ran shorter than this, and only when every worker process on the
-# spool and its job can have a CPU of their own (of those it may use) and
-# the machine's load average is below its CPU count; else polling would
-# take the CPU from a job.
+# last job ran shorter than this (from before its spawn to its reaping, the
+# worker's work beside it included), and only when every worker process on
+# the spool and its job can have a CPU of their own (of those it may use)
+# and the machine's load average is below its CPU count; else polling
+# would take the CPU from a job.
 SPIN_WINDOW = 0.002
 SPIN_RECOUNT_SECONDS = 1.0  # how often the live workers on the spool are counted again for that
 COMPACT_CHECK_JOBS = 1000  # count done/ for auto-compaction after this many jobs ...
