@@ -13,6 +13,7 @@ The index is history only: it never decides where a waiting job is.
 
 from __future__ import annotations
 
+import errno
 import json
 import sqlite3
 import time
@@ -244,24 +245,34 @@ class Index:
 
 
 def fold(spool: SpoolDir, index: Index, folder: str, names: list[str], settings: dict, batch: int = 2000) -> tuple[int, int]:
-    """Move the given files of ``folder`` into the index, ``batch`` at a time:
-    lock each file, commit its row, then remove it (still locked). Files that
-    are busy, gone or unreadable are left where they are.
+    """Move the given files of ``folder`` into the index, ``batch`` at a time
+    (fewer where the descriptor limit is low: see _held_at_once): lock each
+    file, commit its row, then remove it (still locked). Files that are
+    busy, gone or unreadable are left where they are.
     Returns (jobs folded, files left)."""
     from .transitions import Context, check
 
     ctx = Context(spool, settings)
+    batch = _held_at_once(batch)
     folded = left = 0
-    for start in range(0, len(names), batch):
+    pos = 0
+    while pos < len(names):
         held_batch = []
         rows = []
         try:
-            for name in names[start:start + batch]:
+            while pos < len(names) and len(held_batch) < batch:
+                name = names[pos]
                 try:
                     held = spool.hold(folder, name)
                 except (Busy, Gone, FileNotFoundError, NotRegular, PermissionError):
                     left += 1
+                    pos += 1
                     continue
+                except OSError as e:
+                    if e.errno in (errno.EMFILE, errno.ENFILE) and held_batch:
+                        break  # out of descriptors after all: fold what is held, then go on
+                    raise
+                pos += 1
                 try:
                     job = check(ctx, held.st, held.read, name)
                 except (record.InvalidJob, OSError):
@@ -285,6 +296,22 @@ def fold(spool: SpoolDir, index: Index, folder: str, names: list[str], settings:
             for held in held_batch:
                 held.release()
     return folded, left
+
+
+def _held_at_once(batch: int) -> int:
+    """How many files a fold may hold open at once: each is a descriptor,
+    and a soft limit of 1024 (the usual default, systemd's too) would fail
+    a batch of 2,000. A quarter of the limit leaves the rest to SQLite and
+    the worker."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):
+        return min(batch, 256)
+    if soft == resource.RLIM_INFINITY:
+        return batch
+    return max(1, min(batch, soft // 4))
 
 
 def compact(spool: SpoolDir, index: Index, settings: dict, keep: float | None = None) -> dict[str, int]:
