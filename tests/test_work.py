@@ -471,6 +471,24 @@ def test_a_job_inherits_only_stdin_stdout_and_stderr(fast_spool, tmp_path):
         assert s.show(job_id)["stdout"].split() == ["0", "1", "2"], job_id
 
 
+def test_a_descriptor_above_the_open_file_limit_is_closed_too(fast_spool):
+    """A worker started with a soft limit of 64 but holding descriptor 200
+    (inherited from a parent with a higher limit): the C library refuses a
+    close action for it, which made every job fail to start ("Bad file
+    descriptor") and go dead. The job runs, and without descriptor 200."""
+    s = fast_spool
+    job_id = s.enqueue("--argv", "--", "sh", "-c", "ls /proc/$$/fd")
+    start = ("import os, resource, sys; os.dup2(0, 200, inheritable=True); "
+             "resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1])); "
+             "os.execvp(sys.argv[1], sys.argv[1:])")
+    proc = subprocess.run([sys.executable, "-c", start, *SPOOLQ, "-s", str(s.path), "work"],
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    job = s.show(job_id)
+    assert job["state"] == "done", job.get("error")
+    assert job["stdout"].split() == ["0", "1", "2"]
+
+
 def test_a_long_running_worker_keeps_no_descriptors_of_finished_jobs(fast_spool):
     """-j 1 makes the next job's output files ahead and closes the last
     one's after the next has started: the count stays flat however many
