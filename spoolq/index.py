@@ -19,7 +19,7 @@ import sqlite3
 import time
 from typing import Any, Iterator
 
-from . import record
+from . import procs, record
 from .protocol import Busy, Gone, NotRegular, SpoolDir, duplicate_name, file_name, id_of
 
 SCHEMA_VERSION = 1
@@ -303,15 +303,7 @@ def _held_at_once(batch: int) -> int:
     and a soft limit of 1024 (the usual default, systemd's too) would fail
     a batch of 2,000. A quarter of the limit leaves the rest to SQLite and
     the worker."""
-    try:
-        import resource
-
-        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    except (ImportError, OSError, ValueError):
-        return min(batch, 256)
-    if soft == resource.RLIM_INFINITY:
-        return batch
-    return max(1, min(batch, soft // 4))
+    return max(1, min(batch, procs.open_file_limit() // 4))
 
 
 def compact(spool: SpoolDir, index: Index, settings: dict, keep: float | None = None) -> dict[str, int]:

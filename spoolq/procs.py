@@ -156,6 +156,26 @@ def kill_run(worker_id: str, worker_boot: str, pgid: int | None, spawn_window: t
     return killed
 
 
+_file_limit: int | None = None
+
+
+def open_file_limit() -> int:
+    """This process's soft limit on open descriptors (RLIMIT_NOFILE), read
+    once; very large when unlimited or unknown. Whatever spoolq keeps open
+    in numbers (spare files, a fold's batch) is sized from it: the usual
+    soft limit is 1024, and can be far lower."""
+    global _file_limit
+    if _file_limit is None:
+        try:
+            import resource
+
+            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+            _file_limit = soft if soft != resource.RLIM_INFINITY and soft > 0 else 1 << 30
+        except (ImportError, OSError, ValueError):
+            _file_limit = 1 << 30
+    return _file_limit
+
+
 def usable_cpus() -> int:
     """How many CPUs this process may use: those it may run on, fewer when
     its cgroup's CPU quota (or a parent's) allows less (a container started

@@ -25,6 +25,8 @@ import threading
 import time
 from typing import Iterator, NamedTuple
 
+from . import procs
+
 STATES = ("new", "cur", "failed", "dead", "done")
 WAITING = ("new", "failed")
 FOLDERS = ("tmp",) + STATES + ("workers",)
@@ -293,6 +295,12 @@ class SpoolDir:
         self._seq = 0
         self._spares: list[tuple[str, int]] = []  # locked dot-files in cur/ to rewrite into
         self._retired: list[tuple[str, int]] = []  # old inodes waiting for a sync before reuse
+        # Each is an open descriptor: kept to a sixteenth and a quarter of the
+        # open-file limit (64 and 256 under the usual 1024), so that a low
+        # limit leaves room for the jobs' own files.
+        limit = procs.open_file_limit()
+        self._spares_max = max(1, min(64, limit // 16))
+        self._retired_max = max(1, min(256, limit // 4))
         # Folders renamed into/out of whose fsync was deferred (group commit):
         # destinations are synced before sources, so a power cut can leave a
         # job in two folders (run again) but never in none. (Where renames are
@@ -442,7 +450,7 @@ class SpoolDir:
 
     def give_spare(self, name: str, fd: int) -> None:
         with self._open_lock:
-            if len(self._spares) < 64:
+            if len(self._spares) < self._spares_max:
                 self._spares.append((name, fd))
                 return
         self._discard_spare(name, fd)
@@ -460,7 +468,7 @@ class SpoolDir:
             self.give_spare(name, fd)
             return
         with self._open_lock:
-            if len(self._retired) < 256:
+            if len(self._retired) < self._retired_max:
                 if not self.has_deferred:
                     self.unsynced_since = time.monotonic()
                 self._retired.append((name, fd))

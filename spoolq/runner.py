@@ -166,21 +166,6 @@ class _Spawned:
 
 
 _devnull_fd: int | None = None
-_file_limit: int | None = None
-
-
-def _open_file_limit() -> int:
-    """The soft RLIMIT_NOFILE, read once."""
-    global _file_limit
-    if _file_limit is None:
-        try:
-            import resource
-
-            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-            _file_limit = soft if soft != resource.RLIM_INFINITY and soft > 0 else 1 << 30
-        except (ImportError, OSError, ValueError):
-            _file_limit = 1 << 30
-    return _file_limit
 _DEFAULT_SIGNALS = tuple(getattr(signal, name) for name in ("SIGPIPE", "SIGXFSZ") if hasattr(signal, name))
 
 
@@ -195,7 +180,7 @@ def _spawn(argv: list[str], env: dict[str, str], cwd: str | None, fds: tuple[int
     ``cwd``, which os.posix_spawn cannot set, and for closing a descriptor
     at or above the soft open-file limit (inherited from a parent with a
     higher one), which the C library refuses to put in a close action."""
-    if cwd is not None or threaded or (close and max(close) >= _open_file_limit()):
+    if cwd is not None or threaded or (close and max(close) >= procs.open_file_limit()):
         return subprocess.Popen(argv, stdin=fds[0], stdout=fds[1], stderr=fds[2], cwd=cwd, env=env,
                                 start_new_session=True, close_fds=True)
     actions = [(os.POSIX_SPAWN_DUP2, fds[0], 0), (os.POSIX_SPAWN_DUP2, fds[1], 1), (os.POSIX_SPAWN_DUP2, fds[2], 2)]

@@ -489,6 +489,20 @@ def test_a_descriptor_above_the_open_file_limit_is_closed_too(fast_spool):
     assert job["stdout"].split() == ["0", "1", "2"]
 
 
+def test_a_durable_worker_runs_within_a_low_open_file_limit(spool):
+    """fsync on keeps spare files open to rewrite records into, and the old
+    inodes until they are synced: up to 320 descriptors, so under a soft
+    limit of 64 a worker ran out after ~50 jobs ("cannot record the
+    outcome: Too many open files") and stopped. Their number now follows
+    the limit."""
+    spool.run("enqueue", "--jsonl", "-", input='{"argv": ["true"]}\n' * 200)
+    proc = subprocess.run(["sh", "-c", 'ulimit -n 48 && exec "$@"', "sh", *SPOOLQ, "-s", str(spool.path), "work"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    st = spool.status()
+    assert st["done"] == 200 and st["failed"] == 0 and st["cur"] == 0, st
+
+
 def test_a_long_running_worker_keeps_no_descriptors_of_finished_jobs(fast_spool):
     """-j 1 makes the next job's output files ahead and closes the last
     one's after the next has started: the count stays flat however many
