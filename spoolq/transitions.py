@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from . import config, record, registry
+from . import config, procs, record, registry
 from .protocol import (
     Busy,
     Entry,
@@ -550,11 +550,28 @@ class RecoveryReport:
 def recover(ctx: Context) -> RecoveryReport:
     """Return every job a dead worker left in cur/ to failed/ (due now), its
     interrupted run counted as an attempt, or to dead/ when none are left.
-    First kill the processes those runs left alive."""
-    sp = ctx.spool
+    First kill the processes those runs left alive. Jobs are held a batch
+    at a time, at most a quarter of the open-file limit (a crash of many
+    worker processes can leave more jobs in cur/ than a low limit allows
+    open at once); each is tried once."""
     report = RecoveryReport()
+    batch = max(1, procs.open_file_limit() // 4)
+    tried: set[str] = set()
+    while _recover_batch(ctx, report, batch, tried) >= batch:
+        pass
+    return report
+
+
+def _recover_batch(ctx: Context, report: RecoveryReport, batch: int, tried: set[str]) -> int:
+    """Recover up to ``batch`` unlocked cur/ jobs not in ``tried``; returns how many it held."""
+    sp = ctx.spool
     held: list[Held] = []
     for name in sorted(sp.names("cur")):
+        if len(held) >= batch:
+            break
+        if name in tried:
+            continue
+        tried.add(name)
         try:
             held.append(sp.hold("cur", name))
         except (Busy, Gone, FileNotFoundError):
@@ -596,7 +613,7 @@ def recover(ctx: Context) -> RecoveryReport:
             h.release()
         for reg in dead_workers:
             reg.release()
-    return report
+    return len(held)
 
 
 def _recover_one(ctx: Context, held: Held, run: tuple | None, report: RecoveryReport) -> None:

@@ -9,7 +9,7 @@ import signal
 import subprocess
 import time
 
-from conftest import wait_for
+from conftest import SPOOLQ, wait_for
 
 
 def _alive(pid: int) -> bool:
@@ -227,6 +227,28 @@ def test_a_run_that_finished_but_was_not_moved_is_completed_not_rerun(fast_spool
     assert "completed 1" in s.run("sweep").stdout
     assert s.where(job_id) == ["done"]
     assert s.record("done", job_id)["attempts"] == record["attempts"] == 1
+
+
+def test_recovery_of_more_jobs_than_the_open_file_limit_allows_open(fast_spool):
+    """Many worker processes died at once (a power cut under -j 200), and a
+    worker starts with a soft limit of 48 open files: recovery holds cur/'s
+    jobs a batch at a time, where holding all of them at once failed with
+    "Too many open files" and left every one in cur/. The dead worker's
+    registration lists them all and is cleared once the last is back."""
+    s = fast_spool
+    s.run("enqueue", "--jsonl", "-", input='{"argv": ["true"]}\n' * 150)
+    ids = s.ids("new")
+    for job_id in ids:
+        os.rename(s.path / "new" / f"{job_id}.json", s.path / "cur" / f"{job_id}.json")
+    registration = {"worker": "gone.2.abcdef", "pid": 2, "boot_id": "",
+                    "jobs": {job_id: {"attempt": 1} for job_id in ids}}
+    (s.path / "workers" / "gone.2.abcdef.json").write_text(json.dumps(registration))
+    proc = subprocess.run(["sh", "-c", 'ulimit -n 48 && exec "$@"', "sh", *SPOOLQ, "-s", str(s.path), "sweep"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert not s.names("cur") and sorted(s.ids("failed")) == sorted(ids)
+    assert not os.listdir(s.path / "workers")
+    assert all(s.record("failed", job_id)["attempts"] == 1 for job_id in ids[:5])
 
 
 def test_sweep_leaves_live_workers_alone(fast_spool, tmp_path):
