@@ -13,6 +13,7 @@ of its process; after a power cut every process is gone anyway).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -240,7 +241,15 @@ def take_dead(spool: SpoolDir, wait_for: set[str] = frozenset(), patience: float
                     time.sleep(0.01)
                     continue
                 break
-            except (Gone, FileNotFoundError, NotRegular, OSError):
+            except OSError as e:
+                if e.errno in (errno.EMFILE, errno.ENFILE):
+                    # Out of descriptors: fail the recovery rather than
+                    # recover a job without killing what its run left alive.
+                    for reg in taken:
+                        reg.release()
+                    raise
+                break
+            except (Gone, NotRegular):
                 break
             if trusted is not None and held.st.st_uid not in trusted:
                 held.release()

@@ -16,6 +16,7 @@ Python loop cannot be stopped any other way.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import select
@@ -206,6 +207,12 @@ def _spawn(argv: list[str], env: dict[str, str], cwd: str | None, fds: tuple[int
                 error = error or e
         raise error or FileNotFoundError(2, os.strerror(2))
     except OSError as e:
+        if e.errno == errno.EBADF:
+            # A close action the C library refused (a descriptor above a soft
+            # limit lowered since it was read), before or in the child, which
+            # then never ran the job: Popen closes descriptors its own way.
+            return subprocess.Popen(argv, stdin=fds[0], stdout=fds[1], stderr=fds[2], env=env,
+                                    start_new_session=True, close_fds=True)
         e.filename = program
         raise
 

@@ -677,23 +677,28 @@ def _polled_pids(spool, *work_args: str, cpus: list[int], window: str = "30", lo
     strace, with the load average taken as ``load``; return the pids of the
     job processes whose exit the worker polled for (waitid with WNOHANG and
     WNOWAIT, see worker.SPIN_WINDOW) and of all the job processes."""
-    log = spool.path.parent / "waitid.log"
+    logs = spool.path.parent / "waitid"
+    shutil.rmtree(logs, ignore_errors=True)
+    logs.mkdir()
     enter = ["sh", "-c", f'echo $$ > {cgroup}/cgroup.procs && exec "$@"', "sh"] if cgroup else []
+    # -ff: a file per process, so that no call is split in two ("unfinished"
+    # and "resumed") by another process's call in between.
     subprocess.run(
         enter + ["taskset", "-c", ",".join(map(str, cpus)),
-                 "strace", "-f", "-qq", "--seccomp-bpf", "-e", "trace=waitid,execve", "-o", str(log)]
+                 "strace", "-ff", "-qq", "--seccomp-bpf", "-e", "trace=waitid,execve", "-o", str(logs / "trace")]
         + SPOOLQ + ["-s", str(spool.path), "work", *work_args],
         capture_output=True, text=True, check=True, timeout=120,
         env={**os.environ, "SPOOLQ_TEST_SPIN_WINDOW": window, "SPOOLQ_TEST_LOADAVG": load},
     )
     polled, jobs = set(), set()
-    for line in log.read_text().splitlines():
-        pid, call = line.split(None, 1)
-        if re.match(r"waitid\(P_PID, \d+, .*WNOHANG", call):
-            assert "WNOWAIT" in call, call  # polling must not reap: the runner reaps once it knows
-            polled.add(int(call.split(",")[1]))
-        elif re.match(r'execve\("[^"]*/(true|sleep|sh)"', call):
-            jobs.add(int(pid))
+    for log in logs.iterdir():
+        pid = int(log.name.rsplit(".", 1)[1])
+        for call in log.read_text().splitlines():
+            if re.match(r"waitid\(P_PID, \d+, .*WNOHANG", call):
+                assert "WNOWAIT" in call, call  # polling must not reap: the runner reaps once it knows
+                polled.add(int(call.split(",")[1]))
+            elif re.match(r'execve\("[^"]*/(true|sleep|sh)"', call):
+                jobs.add(pid)
     return polled, jobs
 
 
