@@ -181,9 +181,12 @@ def _spawn(argv: list[str], env: dict[str, str], cwd: str | None, fds: tuple[int
     ``cwd``, which os.posix_spawn cannot set, and for closing a descriptor
     at or above the soft open-file limit (inherited from a parent with a
     higher one), which the C library refuses to put in a close action."""
-    if cwd is not None or threaded or (close and max(close) >= procs.open_file_limit()):
+    def popen() -> subprocess.Popen:
         return subprocess.Popen(argv, stdin=fds[0], stdout=fds[1], stderr=fds[2], cwd=cwd, env=env,
                                 start_new_session=True, close_fds=True)
+
+    if cwd is not None or threaded or (close and max(close) >= procs.open_file_limit()):
+        return popen()
     actions = [(os.POSIX_SPAWN_DUP2, fds[0], 0), (os.POSIX_SPAWN_DUP2, fds[1], 1), (os.POSIX_SPAWN_DUP2, fds[2], 2)]
     actions += [(os.POSIX_SPAWN_CLOSE, fd) for fd in close if fd not in fds]
     # Python ignores SIGPIPE and SIGXFSZ; a job gets them back at their
@@ -211,8 +214,7 @@ def _spawn(argv: list[str], env: dict[str, str], cwd: str | None, fds: tuple[int
             # A close action the C library refused (a descriptor above a soft
             # limit lowered since it was read), before or in the child, which
             # then never ran the job: Popen closes descriptors its own way.
-            return subprocess.Popen(argv, stdin=fds[0], stdout=fds[1], stderr=fds[2], env=env,
-                                    start_new_session=True, close_fds=True)
+            return popen()
         e.filename = program
         raise
 

@@ -38,13 +38,15 @@ class SpoolFixture:
         self.path = path
 
     def run(self, *args: str, input: str | None = None, timeout: float = 120, env: dict | None = None,
-            check: bool = True, cwd: str | None = None) -> subprocess.CompletedProcess:
+            check: bool = True, cwd: str | None = None, open_files: int | None = None) -> subprocess.CompletedProcess:
+        """``spoolq -s SPOOL ARGS``; with ``open_files``, under that soft limit of open descriptors."""
         full_env = dict(os.environ)
         full_env.pop("SPOOLQ_DIR", None)
         if env:
             full_env.update(env)
+        limit = ["sh", "-c", f'ulimit -n {open_files} && exec "$@"', "sh"] if open_files else []
         proc = subprocess.run(
-            SPOOLQ + ["-s", str(self.path), *args], input=input, capture_output=True, text=True,
+            limit + SPOOLQ + ["-s", str(self.path), *args], input=input, capture_output=True, text=True,
             timeout=timeout, env=full_env, cwd=cwd,
         )
         if check and proc.returncode != 0:

@@ -9,7 +9,7 @@ import signal
 import subprocess
 import time
 
-from conftest import SPOOLQ, wait_for
+from conftest import wait_for
 
 
 def _alive(pid: int) -> bool:
@@ -243,8 +243,7 @@ def test_recovery_of_more_jobs_than_the_open_file_limit_allows_open(fast_spool):
     registration = {"worker": "gone.2.abcdef", "pid": 2, "boot_id": "",
                     "jobs": {job_id: {"attempt": 1} for job_id in ids}}
     (s.path / "workers" / "gone.2.abcdef.json").write_text(json.dumps(registration))
-    proc = subprocess.run(["sh", "-c", 'ulimit -n 48 && exec "$@"', "sh", *SPOOLQ, "-s", str(s.path), "sweep"],
-                          capture_output=True, text=True, timeout=120)
+    proc = s.run("sweep", open_files=48, check=False)
     assert proc.returncode == 0, proc.stderr
     assert not s.names("cur") and sorted(s.ids("failed")) == sorted(ids)
     assert not os.listdir(s.path / "workers")

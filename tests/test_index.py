@@ -9,10 +9,7 @@ import os
 import random
 import signal
 import sqlite3
-import subprocess
 import time
-
-from conftest import SPOOLQ
 
 
 
@@ -217,12 +214,6 @@ def test_auto_compaction_during_a_drain(fast_spool):
     assert st["done"] == 200 and st["compacted"] >= 100 and st["done_files"] <= 60
 
 
-def _limited(s, limit: int, *args: str) -> subprocess.CompletedProcess:
-    """``spoolq -s SPOOL ARGS`` with a soft limit of ``limit`` open files."""
-    return subprocess.run(["sh", "-c", f'ulimit -n {limit} && exec "$@"', "sh", *SPOOLQ, "-s", str(s.path), *args],
-                          capture_output=True, text=True, timeout=300)
-
-
 def test_compaction_holds_no_more_files_than_the_descriptor_limit_allows(fast_spool):
     """A fold locks its files a batch at a time; under a soft limit of 1024
     (the usual default, systemd's too) a batch of 2,000 failed with "Too
@@ -230,13 +221,13 @@ def test_compaction_holds_no_more_files_than_the_descriptor_limit_allows(fast_sp
     s = fast_spool
     s.run("enqueue", "--jsonl", "-", input='{"command": "true"}\n' * 1500)
     s.work()
-    proc = _limited(s, 1024, "compact")
+    proc = s.run("compact", open_files=1024, check=False, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert s.status()["compacted"] == 1500 and not s.names("done")
 
     s.config("compact_after", 100)  # a worker's own compaction, under a tighter limit still
     s.run("enqueue", "--jsonl", "-", input='{"command": "true"}\n' * 400)
-    proc = _limited(s, 64, "work")
+    proc = s.run("work", open_files=64, check=False, timeout=300)
     assert proc.returncode == 0 and "compaction failed" not in proc.stderr, proc.stderr
     st = s.status()
     assert st["done"] == 1900 and st["compacted"] >= 1800 and st["done_files"] <= 100

@@ -496,8 +496,7 @@ def test_a_durable_worker_runs_within_a_low_open_file_limit(spool):
     outcome: Too many open files") and stopped. Their number now follows
     the limit."""
     spool.run("enqueue", "--jsonl", "-", input='{"argv": ["true"]}\n' * 200)
-    proc = subprocess.run(["sh", "-c", 'ulimit -n 48 && exec "$@"', "sh", *SPOOLQ, "-s", str(spool.path), "work"],
-                          capture_output=True, text=True, timeout=120)
+    proc = spool.run("work", open_files=48, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     st = spool.status()
     assert st["done"] == 200 and st["failed"] == 0 and st["cur"] == 0, st
@@ -543,8 +542,7 @@ def test_jobs_that_cannot_start_leave_no_descriptors_behind(fast_spool):
     lines = "".join(json.dumps({"argv": ["/nonexistent-program"]}) + "\n" for _ in range(150))
     s.run("enqueue", "--jsonl", "-", input=lines)
     ok = s.enqueue("--argv", "--", "true")
-    proc = subprocess.run(["sh", "-c", 'ulimit -n 64 && exec "$@"', "sh", *SPOOLQ, "-s", str(s.path), "work"],
-                          capture_output=True, text=True, timeout=300)
+    proc = s.run("work", open_files=64, check=False, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "internal error" not in proc.stderr
     assert len(s.ids("dead")) == 150 and s.where(ok) == ["done"]
