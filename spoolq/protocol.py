@@ -23,6 +23,7 @@ import re
 import stat
 import threading
 import time
+import zlib
 from typing import Iterator, NamedTuple
 
 from . import procs
@@ -37,6 +38,10 @@ FOLDERS = ("tmp",) + STATES + ("workers",)
 IN_PLACE_LIMIT = 4096
 
 TMP_MAX_AGE = 36 * 3600  # Maildir's rule: a tmp/ file this old is abandoned.
+
+#: A record written ahead of its swap into cur/ (``Held.stage``):
+#: ``.staged.<job file name>.<crc32 of its content, 8 hex digits>``.
+STAGED_PREFIX = ".staged."
 
 _ID_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}\Z")
 
@@ -486,11 +491,15 @@ class SpoolDir:
             _close_held(fd)
 
     def remove_stale_spares(self) -> int:
-        """Remove spare files that dead processes left in cur/, and the
-        half-made registrations (dot-files) a crash can leave in workers/."""
+        """Remove spare files that dead processes left in cur/ (and staged
+        records whose job is no longer there for recovery to complete), and
+        the half-made registrations (dot-files) a crash can leave in workers/."""
         removed = 0
         with os.scandir(self.fd("cur")) as it:
-            names = [e.name for e in it if e.name.startswith(".spare.")]
+            listed = [e.name for e in it]
+        jobs = {name for name in listed if not name.startswith(".")}
+        names = [name for name in listed if name.startswith(".spare.")
+                 or (name.startswith(STAGED_PREFIX) and staged_job_name(name) not in jobs)]
         for name in names:
             if self.is_locked("cur", name) is False:
                 _unlink_quietly(self.fd("cur"), name)
@@ -508,6 +517,30 @@ class SpoolDir:
     @property
     def file_mode(self) -> int:
         return 0o660 if self.shared else 0o600
+
+    def sync_data(self, fds: list[int]) -> None:
+        """Make the staged records written to ``fds`` durable: an fdatasync
+        for one, else one syncfs of the spool's filesystem for them all (a
+        few hundred microseconds, against as much for each fdatasync; it also
+        flushes whatever else is dirty on that filesystem)."""
+        if not self.fsync or not fds:
+            return
+        if len(fds) == 1:
+            os.fdatasync(fds[0])
+        else:
+            syncfs(self.fd("cur"))
+
+    def staged_records(self) -> dict[str, list[str]]:
+        """The staged records in cur/ (see ``Held.stage``), by the name of
+        the job file each belongs to."""
+        found: dict[str, list[str]] = {}
+        with os.scandir(self.fd("cur")) as it:
+            for e in it:
+                if e.name.startswith(STAGED_PREFIX):
+                    job = staged_job_name(e.name)
+                    if job:
+                        found.setdefault(job, []).append(e.name)
+        return found
 
     def sync_dir(self, folder: str) -> None:
         if self.fsync:
@@ -888,7 +921,7 @@ class Held:
     Whoever holds it may rewrite the record and move the file; nobody else
     can claim, cancel, retry or recover it meanwhile."""
 
-    __slots__ = ("spool", "folder", "name", "fd", "st", "size", "writable")
+    __slots__ = ("spool", "folder", "name", "fd", "st", "size", "writable", "staged")
 
     def __init__(self, spool: SpoolDir, folder: str, name: str, fd: int, st: os.stat_result, writable: bool):
         self.spool = spool
@@ -898,6 +931,7 @@ class Held:
         self.st = st  # as found when locked: owner, links, mtime (the due time)
         self.size = st.st_size  # the current size (it changes as we rewrite)
         self.writable = writable
+        self.staged: tuple[str, int, bytes] | None = None  # see stage()
         _held_fds.add(fd)
 
     def read(self, limit: int) -> bytes:
@@ -968,12 +1002,65 @@ class Held:
         whole, locked record, and no inode is created or freed (on ext4
         without a journal a create after many deletes costs ~1 ms). The old
         inode becomes the next spare when it is plainly ours."""
+        filled = self._fill_spare(data)
+        if filled is None:
+            return False
+        name, fd, data = filled
+        try:
+            if sync:
+                os.fdatasync(fd)
+        except BaseException:
+            self.spool._discard_spare(name, fd)
+            raise
+        return self._swap_in(name, fd, data)
+
+    def stage(self, data: bytes) -> bool:
+        """Write the next record of a job in cur/ into a spare, unsynced, and
+        name it ``.staged.<name>.<crc32>``, where recovery finds it should
+        this process die: the record is then whole (the CRC says so), so the
+        run's outcome is kept rather than run again. ``SpoolDir.sync_data``
+        makes any number of staged records durable with one sync, and then
+        ``commit_staged`` swaps each in. False where no spare can be had
+        (the caller rewrites the usual way)."""
+        if self.folder != "cur" or self.staged is not None:
+            return False
+        filled = self._fill_spare(data)
+        if filled is None:
+            return False
+        name, fd, data = filled
+        staged = f"{STAGED_PREFIX}{self.name}.{zlib.crc32(data):08x}"
+        cur = self.spool.fd("cur")
+        try:
+            os.rename(name, staged, src_dir_fd=cur, dst_dir_fd=cur)
+        except BaseException:
+            self.spool._discard_spare(name, fd)
+            raise
+        self.staged = (staged, fd, data)
+        return True
+
+    def commit_staged(self) -> None:
+        """Swap the staged record in (after ``SpoolDir.sync_data``)."""
+        assert self.staged is not None
+        name, fd, data = self.staged
+        self.staged = None
+        if not self._swap_in(name, fd, data):  # no exchange after all: the usual way
+            self.spool._discard_spare(name, fd)
+            self.rewrite(data)
+
+    def drop_staged(self) -> None:
+        """Forget a staged record that will not be committed: its file stays
+        for recovery, unlocked once this process closes it."""
+        if self.staged is not None:
+            _close_held(self.staged[1])
+            self.staged = None
+
+    def _fill_spare(self, data: bytes) -> tuple[str, int, bytes] | None:
+        """A spare holding ``data`` (padded as written); None if none can be had."""
         sp = self.spool
         spare = sp.take_spare()
         if spare is None:
-            return False
+            return None
         name, fd = spare
-        cur = sp.fd("cur")
         try:
             # Overwrite without truncating, padded with spaces to the old size
             # (JSON allows trailing white space): the blocks stay allocated, the
@@ -985,8 +1072,16 @@ class Held:
             elif len(data) < size:
                 data = data + b" " * (size - len(data))
             _write_all_at(fd, data)
-            if sync:
-                os.fdatasync(fd)
+        except BaseException:
+            sp._discard_spare(name, fd)
+            raise
+        return name, fd, data
+
+    def _swap_in(self, name: str, fd: int, data: bytes) -> bool:
+        """Exchange the spare ``name`` (holding ``data``) with our name."""
+        sp = self.spool
+        cur = sp.fd("cur")
+        try:
             if not exchange(cur, name, self.name):
                 sp.give_spare(name, fd)
                 return False
@@ -1072,6 +1167,20 @@ def _changed_before(entry: os.DirEntry, when: float) -> bool:
         return entry.stat(follow_symlinks=False).st_mtime < when
     except FileNotFoundError:
         return False
+
+
+def staged_job_name(name: str) -> str | None:
+    """The job file a staged record's name belongs to (None if malformed)."""
+    base, dot, crc = name[len(STAGED_PREFIX):].rpartition(".")
+    if not name.startswith(STAGED_PREFIX) or not dot or len(crc) != 8 or not base:
+        return None
+    return base
+
+
+def staged_intact(name: str, data: bytes) -> bool:
+    """Whether ``data`` is whole: its CRC is the one its staged name carries
+    (a power cut can leave the name on disk without the data)."""
+    return name.endswith(f".{zlib.crc32(data):08x}")
 
 
 def refuse_non_directory(path: str) -> None:

@@ -30,6 +30,7 @@ from .protocol import (
     id_of,
     id_problem,
     kind_of,
+    staged_intact,
 )
 from .record import InvalidJob, rfc3339
 from .runner import Outcome
@@ -341,11 +342,17 @@ def decide(ctx: Context, job: dict, out: Outcome, attempt: int) -> str:
 
 
 def finish(ctx: Context, claimed: Claimed, out: Outcome, worker_id: str, due_now: bool = False,
-           defer_sync: bool = False) -> tuple[str, float | None]:
+           defer_sync: bool = False, stage: bool = False) -> tuple[str, float | None]:
     """Record a run's outcome and move the job on: done/, failed/ (due after
     the backoff) or dead/. Returns (state, due time for failed/). With
     ``defer_sync`` the folders are fsynced later by the caller (group commit;
-    the record itself is always synced before it replaces the old one)."""
+    the record itself is always synced before it replaces the old one).
+
+    With ``stage`` (and a spare to write into) the new record is only staged
+    beside the job in cur/ (``claimed.held.staged`` is then set): the caller
+    makes it durable with ``SpoolDir.sync_data``, for many jobs at once, and
+    then calls ``complete``. Should the caller die first, recovery finds the
+    staged record and completes the finish."""
     job = claimed.job
     attempt = claimed.attempt
     now = time.time()
@@ -390,8 +397,21 @@ def finish(ctx: Context, claimed: Claimed, out: Outcome, worker_id: str, due_now
             due = now + delay
     job["state"] = dest
     job["finished_at" if dest != "failed" else "failed_at"] = end
+    if stage and claimed.held.stage(record.dumps(job)):
+        return dest, due
     _write_and_move(claimed.held, job, dest, due, defer_sync)
     return dest, due
+
+
+def complete(held: Held, dest: str, due: float | None) -> None:
+    """The second half of a staged finish, once ``SpoolDir.sync_data`` made
+    the record durable: swap it in and move the job to ``dest`` (the folder
+    fsyncs deferred, as with ``finish(defer_sync=True)``)."""
+    held.commit_staged()
+    if due is not None:
+        held.set_mtime(int(due * 1e9))
+    held.move(dest, defer_sync=True)
+    held.release()
 
 
 def _write_and_move(held: Held, job: dict, dest: str, due: float | None, defer_sync: bool = False) -> None:
@@ -583,6 +603,7 @@ def _recover_batch(ctx: Context, report: RecoveryReport, batch: int, tried: set[
             except FileNotFoundError:
                 pass
     held_ids = {id_of(h.name) for h in held}
+    staged = sp.staged_records() if held else {}
     dead_workers: list[registry.DeadRegistration] = []
     try:
         dead_workers = registry.take_dead(sp, wait_for=held_ids, trusted=ctx.trusted_uids)
@@ -597,7 +618,7 @@ def _recover_batch(ctx: Context, report: RecoveryReport, batch: int, tried: set[
                 if job_id not in runs or entry["attempt"] > runs[job_id][1]["attempt"]:
                     runs[job_id] = (reg, entry)
         for h in held:
-            _recover_one(ctx, h, runs.get(id_of(h.name)), report)
+            _recover_one(ctx, h, runs.get(id_of(h.name)), staged.get(h.name, ()), report)
         for reg in dead_workers:
             # Clear a registration only when none of its jobs is left in cur/
             # for another recovery (which holds it right now) to handle; else
@@ -616,7 +637,21 @@ def _recover_batch(ctx: Context, report: RecoveryReport, batch: int, tried: set[
     return len(held)
 
 
-def _recover_one(ctx: Context, held: Held, run: tuple | None, report: RecoveryReport) -> None:
+def _recover_one(ctx: Context, held: Held, run: tuple | None, staged: tuple[str, ...] | list[str],
+                 report: RecoveryReport) -> None:
+    staged_held: list[Held] = []
+    try:
+        _recover_held(ctx, held, run, staged, staged_held, report)
+        # Only now, with the job out of cur/, are its staged records spent.
+        for h in staged_held:
+            h.unlink()
+    finally:
+        for h in staged_held:
+            h.release()
+
+
+def _recover_held(ctx: Context, held: Held, run: tuple | None, staged: tuple[str, ...] | list[str],
+                  staged_held: list[Held], report: RecoveryReport) -> None:
     try:
         job = check(ctx, held.st, held.read, held.name)
     except InvalidJob:
@@ -627,6 +662,10 @@ def _recover_one(ctx: Context, held: Held, run: tuple | None, report: RecoveryRe
     reg, entry = run if run else (None, None)
     run_attempt = entry.get("attempt") if entry and isinstance(entry.get("attempt"), int) else attempts + 1
     finished = job.get("state") in ("done", "dead")  # never claimed in that state: a recorded finish
+    outcome = _staged_outcome(ctx, staged, job["id"], run_attempt, staged_held)
+    if outcome is not None and not finished:
+        # The run finished and its record was staged, but not swapped in.
+        job, finished = outcome, True
     if finished or (attempts >= run_attempt and job.get("state") == "failed"):
         # The run finished and was recorded; only the last rename was lost.
         due = time.time() if job["state"] == "failed" else None
@@ -649,3 +688,31 @@ def _recover_one(ctx: Context, held: Held, run: tuple | None, report: RecoveryRe
         report.dead += 1
     else:
         report.recovered += 1
+
+
+def _staged_outcome(ctx: Context, names: tuple[str, ...] | list[str], job_id: str, run_attempt: int,
+                    staged_held: list[Held]) -> dict | None:
+    """The finished record of run ``run_attempt`` of ``job_id`` among the
+    staged records ``names`` (each held and added to ``staged_held``):
+    whole (its CRC matches), valid, and the outcome of exactly that run."""
+    sp = ctx.spool
+    found = None
+    for name in names:
+        try:
+            h = sp.hold("cur", name)
+        except (Busy, Gone, NotRegular, OSError):
+            continue  # a live process's, or gone: not ours to judge
+        staged_held.append(h)
+        limit = int(ctx.settings["max_job_bytes"])
+        if found is not None or h.st.st_uid not in ctx.trusted_uids or h.st.st_size > limit:
+            continue
+        data = h.read(limit)
+        if not staged_intact(name, data):
+            continue  # torn by a power cut, or an old inode left under this name
+        try:
+            job = record.parse(data, job_id)
+        except InvalidJob:
+            continue
+        if job.get("attempts") == run_attempt and job.get("state") in ("done", "failed", "dead"):
+            found = job
+    return found

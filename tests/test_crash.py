@@ -229,6 +229,69 @@ def test_a_run_that_finished_but_was_not_moved_is_completed_not_rerun(fast_spool
     assert s.record("done", job_id)["attempts"] == record["attempts"] == 1
 
 
+def _staged(s) -> list[str]:
+    return sorted(n for n in os.listdir(s.path / "cur") if n.startswith(".staged."))
+
+
+def _kill_with_staged_outcomes(s, tmp_path, finished: int) -> tuple[list[str], str]:
+    """Run ``finished`` short jobs (each counts its runs) and then a long
+    one under a worker whose group commit never comes due, and kill -9 it
+    while the short jobs' outcomes are staged, not yet moved on."""
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    short = [s.enqueue("--id", f"short{i}", f'echo ran >> {runs}/"$SPOOLQ_JOB_ID"') for i in range(finished)]
+    started = tmp_path / "started"
+    long_id = s.enqueue("--id", "long", f"touch {started}; exec sleep 300")
+    worker = s.popen("work", env={"SPOOLQ_TEST_COMMIT_SECONDS": "600"}, stderr=subprocess.DEVNULL)
+    wait_for(started.exists, what="the long job to start")
+    wait_for(lambda: len(_staged(s)) == finished, what="the short jobs' outcomes to be staged")
+    assert s.ids("cur") == sorted(short + [long_id])  # not one has moved on yet
+    worker.send_signal(signal.SIGKILL)
+    worker.wait()
+    return short, long_id
+
+
+def test_outcomes_staged_for_a_group_sync_survive_kill_9(spool, tmp_path):
+    """With fsync on, finished jobs wait in cur/ for one sync of all their
+    records. A worker killed then loses none of those outcomes: recovery
+    finds each staged record (whole: its CRC matches) and completes the
+    move, and no finished job runs again."""
+    s = spool
+    short, long_id = _kill_with_staged_outcomes(s, tmp_path, 4)
+    out = s.run("sweep").stdout
+    assert "completed 4" in out and "recovered 1 to failed/" in out, out
+    for job_id in short:
+        assert s.where(job_id) == ["done"]
+        job = s.record("done", job_id)
+        assert job["outcome"] == "succeeded" and job["attempts"] == 1 and len(job["history"]) == 1
+        assert (tmp_path / "runs" / job_id).read_text() == "ran\n"  # ran once, not again
+    assert s.where(long_id) == ["failed"]
+    assert s.record("failed", long_id)["history"][-1]["error"] == "interrupted: the worker running it died"
+    assert _staged(s) == [] and not [n for n in os.listdir(s.path / "cur") if n.startswith(".")]
+
+
+def test_a_torn_staged_record_is_not_trusted(spool, tmp_path):
+    """A staged record whose bytes do not match the CRC in its name (a power
+    cut that wrote the name but not the data) is discarded: that run counts
+    as interrupted and the job runs again; the intact one is completed."""
+    s = spool
+    (torn_id, kept_id), long_id = _kill_with_staged_outcomes(s, tmp_path, 2)
+    torn = next(n for n in _staged(s) if n.startswith(f".staged.{torn_id}.json."))
+    data = bytearray((s.path / "cur" / torn).read_bytes())
+    data[data.index(b"succeeded")] = ord("S")  # still valid JSON: only the CRC tells
+    (s.path / "cur" / torn).write_bytes(bytes(data))
+    out = s.run("sweep").stdout
+    assert "completed 1" in out and "recovered 2 to failed/" in out, out
+    assert s.where(kept_id) == ["done"]
+    assert s.where(torn_id) == ["failed"]
+    job = s.record("failed", torn_id)
+    assert job["attempts"] == 1 and job["history"][-1]["error"] == "interrupted: the worker running it died"
+    assert _staged(s) == []
+    os.rename(s.path / "failed" / f"{long_id}.json", s.path / "dead" / f"{long_id}.json")  # not again
+    s.work()
+    assert (tmp_path / "runs" / torn_id).read_text() == "ran\nran\n"
+
+
 def test_recovery_of_more_jobs_than_the_open_file_limit_allows_open(fast_spool):
     """Many worker processes died at once (a power cut under -j 200), and a
     worker starts with a soft limit of 48 open files: recovery holds cur/'s

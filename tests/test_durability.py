@@ -23,7 +23,7 @@ def _trace(spool: SpoolFixture, *args: str, input: str | None = None, env: dict 
     ``command``) and every process it starts, in order."""
     log = spool.path.parent / "strace.log"
     subprocess.run(
-        ["strace", "-f", "-y", "-qq", "-s", "400", "-e", "trace=openat,write,fsync,fdatasync,syncfs,rename,renameat,renameat2,link,linkat",
+        ["strace", "-f", "-y", "-qq", "-s", "400", "-e", "trace=openat,write,pwrite64,fsync,fdatasync,syncfs,rename,renameat,renameat2,link,linkat",
          "-o", str(log)] + (command or SPOOLQ + ["-s", str(spool.path), *args]),
         input=input, text=True, capture_output=True, check=True, env={**os.environ, **(env or {})},
     )
@@ -67,11 +67,16 @@ def test_bulk_enqueue_syncs_once_before_publishing(spool):
 def test_a_finished_outcome_is_synced_before_it_is_logged(spool):
     spool.enqueue("--id", "fin", "true")
     calls = _trace(spool, "work")
-    record_synced = _index(calls, r"^fdatasync\(\d+<" + re.escape(str(spool.path / "cur")) + r"/\.spare")
-    moved = _index(calls, r"renameat2\(\d+<" + re.escape(str(spool.path / "cur")) + r">, \"fin\.json\", \d+<" + re.escape(str(spool.path / "done")))
+    cur = re.escape(str(spool.path / "cur"))
+    written = _index(calls, r"^pwrite64\(\d+<" + cur + r'/\.spare\.[^>]*>, "\{.*\\"outcome\\":\\"succeeded')
+    staged = _index(calls, r"^renameat2?\(\d+<" + cur + r">, \"\.spare\.[^\"]*\", \d+<" + cur + r">, \"\.staged\.fin\.json\.[0-9a-f]{8}\"")
+    # One job alone: its record's own fdatasync, not a sync of the whole filesystem.
+    record_synced = _index(calls, r"^fdatasync\(\d+<" + cur + r"/\.staged\.fin\.json\.")
+    swapped = _index(calls, r"renameat2\(\d+<" + cur + r">, \"\.staged\.fin\.json\.[0-9a-f]{8}\", \d+<" + cur + r">, \"fin\.json\", RENAME_EXCHANGE")
+    moved = _index(calls, r"renameat2\(\d+<" + cur + r">, \"fin\.json\", \d+<" + re.escape(str(spool.path / "done")))
     done_synced = _index(calls[moved:], r"^fsync\(\d+<" + re.escape(str(spool.path / "done")) + ">") + moved
     logged = _index(calls, r"write\(2<.*job=fin outcome=succeeded")
-    assert record_synced < moved < done_synced < logged
+    assert written < staged < record_synced < swapped < moved < done_synced < logged
 
 
 @pytest.mark.skipif(shutil.which("strace") is None, reason="strace is not installed (apt-get install strace)")
@@ -92,12 +97,18 @@ def test_parallel_finishes_share_folder_syncs_and_log_only_synced_outcomes(spool
     # 50 ms, which under strace on a slow host could be after every job.
     calls = _trace(spool, "work", "-j", "2", env={"SPOOLQ_TEST_COMMIT_SECONDS": "30"}, command=program)
     done = re.escape(str(spool.path / "done"))
+    cur = re.escape(str(spool.path / "cur"))
     done_syncs = [i for i, c in enumerate(calls) if re.match(r"fsync\(\d+<" + done + ">", c)]
+    record_syncs = [i for i, c in enumerate(calls) if re.match(r"(syncfs|fdatasync)\(", c)]
     for i in range(jobs):
+        staged = _index(calls, r"renameat2?\(\d+<" + cur + r">, \"\.spare\.[^\"]*\", \d+<" + cur + r">, \"\.staged\.par" + str(i) + r"\.json\.")
+        swapped = _index(calls, r"renameat2\(\d+<" + cur + r">, \"\.staged\.par" + str(i) + r"\.json\.[0-9a-f]{8}\", .*RENAME_EXCHANGE")
         moved = _index(calls, r"renameat2\(.*\"par" + str(i) + r"\.json\", \d+<" + done + ">")
         logged = _index(calls, r"write\(2<.*job=par" + str(i) + " outcome=succeeded")
-        assert any(moved < s < logged for s in done_syncs), (i, moved, logged)
+        assert any(staged < s < swapped for s in record_syncs), (i, staged, swapped)  # record durable first
+        assert swapped < moved and any(moved < s < logged for s in done_syncs), (i, moved, logged)
     assert 1 <= len(done_syncs) < jobs // 4, len(done_syncs)  # without group commit: one per job
+    assert 1 <= len(record_syncs) < jobs // 4, len(record_syncs)  # the records' syncs grouped too
     assert len(spool.ids("done")) == jobs
 
 
@@ -167,7 +178,7 @@ def test_a_running_worker_keeps_its_job_when_the_disk_fills(tiny_fs):
     s.work()
     job = s.show(job_id)
     assert job["state"] == "done" and job["outcome"] == "succeeded"
-    assert s.names("cur") == [] and not [n for n in os.listdir(s.path / "cur") if n.startswith(".spare")]
+    assert s.names("cur") == [] and not [n for n in os.listdir(s.path / "cur") if n.startswith((".spare", ".staged"))]
 
 
 def test_state_folders_on_different_filesystems_are_refused(tiny_fs):
