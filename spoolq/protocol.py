@@ -486,9 +486,21 @@ class SpoolDir:
             spares, self._spares = self._spares + self._retired, []
             self._retired = []
         for name, fd in spares:
-            if self._fds:
+            if self._fds and not self._job_in_cur(staged_job_name(name)):
                 _unlink_quietly(self._fds["cur"], name)
             _close_held(fd)
+
+    def _job_in_cur(self, name: str | None) -> bool:
+        """Whether ``cur/name`` exists. (An old inode left under a staged
+        name is kept while its job is in cur/: after a failed move, the
+        CRC in that name tells recovery the job's record is its finish.)"""
+        if not name:
+            return False
+        try:
+            os.stat(name, dir_fd=self._fds["cur"], follow_symlinks=False)
+            return True
+        except OSError:
+            return False
 
     def remove_stale_spares(self) -> int:
         """Remove spare files that dead processes left in cur/ (and staged
@@ -1012,7 +1024,10 @@ class Held:
         except BaseException:
             self.spool._discard_spare(name, fd)
             raise
-        return self._swap_in(name, fd, data)
+        if not self._swap_in(name, fd, data):
+            self.spool.give_spare(name, fd)
+            return False
+        return True
 
     def stage(self, data: bytes) -> bool:
         """Write the next record of a job in cur/ into a spare, unsynced, and
@@ -1043,7 +1058,7 @@ class Held:
         assert self.staged is not None
         name, fd, data = self.staged
         self.staged = None
-        if not self._swap_in(name, fd, data):  # no exchange after all: the usual way
+        if not self._swap_in(name, fd, data, keep=True):  # no exchange after all: the usual way
             self.spool._discard_spare(name, fd)
             self.rewrite(data)
 
@@ -1077,16 +1092,21 @@ class Held:
             raise
         return name, fd, data
 
-    def _swap_in(self, name: str, fd: int, data: bytes) -> bool:
-        """Exchange the spare ``name`` (holding ``data``) with our name."""
+    def _swap_in(self, name: str, fd: int, data: bytes, keep: bool = False) -> bool:
+        """Exchange the spare ``name`` (holding ``data``) with our name.
+        False where the filesystem cannot (the spare is still the caller's);
+        if the exchange fails, the spare is closed, and removed unless
+        ``keep`` (a staged record that recovery may still need)."""
         sp = self.spool
         cur = sp.fd("cur")
         try:
             if not exchange(cur, name, self.name):
-                sp.give_spare(name, fd)
                 return False
         except BaseException:
-            sp._discard_spare(name, fd)
+            if keep:
+                _close_held(fd)
+            else:
+                sp._discard_spare(name, fd)
             raise
         old_fd, old_writable = self.fd, self.writable
         self.fd = fd

@@ -662,13 +662,24 @@ def _recover_held(ctx: Context, held: Held, run: tuple | None, staged: tuple[str
     reg, entry = run if run else (None, None)
     run_attempt = entry.get("attempt") if entry and isinstance(entry.get("attempt"), int) else attempts + 1
     finished = job.get("state") in ("done", "dead")  # never claimed in that state: a recorded finish
-    outcome = _staged_outcome(ctx, staged, job["id"], run_attempt, staged_held)
-    if outcome is not None and not finished:
-        # The run finished and its record was staged, but not swapped in.
-        job, finished = outcome, True
+    if not finished and entry is None and staged:
+        # A staged finish already swapped in, not yet moved on: the job's
+        # bytes are those whose CRC a staged name carries (the old inode took
+        # that name in the swap). Only without a registration entry (which a
+        # staged run has given up): one would say a later run was under way.
+        data = held.read(int(ctx.settings["max_job_bytes"]))
+        finished = any(staged_intact(name, data) for name in staged)
+    if not finished:
+        outcome = _staged_outcome(ctx, staged, job, run_attempt, staged_held)
+        if outcome is not None:
+            # The run finished and its record was staged, but not swapped in.
+            job, finished = outcome, True
     if finished or (attempts >= run_attempt and job.get("state") == "failed"):
         # The run finished and was recorded; only the last rename was lost.
-        due = time.time() if job["state"] == "failed" else None
+        # A failed run's retry waits its backoff, as it would have.
+        due = None
+        if job["state"] == "failed":
+            due = time.time() + config.backoff(ctx.settings, int(job.get("attempts") or 1), random.uniform(-0.1, 0.1))
         _write_and_move(held, job, job["state"], due)
         report.completed += 1
         return
@@ -690,17 +701,18 @@ def _recover_held(ctx: Context, held: Held, run: tuple | None, staged: tuple[str
         report.recovered += 1
 
 
-def _staged_outcome(ctx: Context, names: tuple[str, ...] | list[str], job_id: str, run_attempt: int,
+def _staged_outcome(ctx: Context, names: tuple[str, ...] | list[str], job: dict, run_attempt: int,
                     staged_held: list[Held]) -> dict | None:
-    """The finished record of run ``run_attempt`` of ``job_id`` among the
+    """The finished record of run ``run_attempt`` of ``job`` among the
     staged records ``names`` (each held and added to ``staged_held``):
-    whole (its CRC matches), valid, and the outcome of exactly that run."""
+    whole (its CRC matches), valid, and the outcome of exactly that run
+    (its history is the job's plus that run's entry)."""
     sp = ctx.spool
     found = None
     for name in names:
         try:
             h = sp.hold("cur", name)
-        except (Busy, Gone, NotRegular, OSError):
+        except (Busy, Gone, NotRegular):
             continue  # a live process's, or gone: not ours to judge
         staged_held.append(h)
         limit = int(ctx.settings["max_job_bytes"])
@@ -710,9 +722,11 @@ def _staged_outcome(ctx: Context, names: tuple[str, ...] | list[str], job_id: st
         if not staged_intact(name, data):
             continue  # torn by a power cut, or an old inode left under this name
         try:
-            job = record.parse(data, job_id)
+            outcome = record.parse(data, job["id"])
         except InvalidJob:
             continue
-        if job.get("attempts") == run_attempt and job.get("state") in ("done", "failed", "dead"):
-            found = job
+        history = outcome.get("history")
+        if (outcome.get("attempts") == run_attempt and outcome.get("state") in ("done", "failed", "dead")
+                and isinstance(history, list) and history[:-1] == (job.get("history") or [])):
+            found = outcome
     return found

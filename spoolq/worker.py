@@ -200,11 +200,13 @@ class Worker:
         self._uncommitted_lock = threading.Lock()  # the lists only: held for no system call
         # Finished jobs whose new record is staged beside them in cur/, not
         # yet synced (transitions.finish(stage=True)): a commit syncs all of
-        # them at once, then moves them on. Each holds two descriptors, so
-        # at most a sixteenth of the open-file limit wait.
+        # them at once, then moves them on. Each holds two descriptors; a
+        # commit comes once _stage_max (a sixteenth of the open-file limit)
+        # are synced, or twice that staged, so at most ~a quarter of the
+        # limit is theirs.
         self._staged: list[tuple[transitions.Claimed, Outcome, int, str, float | None]] = []
         self._staged_since = 0.0
-        self._synced: collections.deque = collections.deque()  # (when synced, staged item), to move on
+        self._synced: collections.deque = collections.deque()  # (when staged, staged item), to move on
         self._sync_wanted = threading.Event()  # -j 1 asks the committer thread to sync the staged records
         self._stage_max = max(1, min(COMMIT_JOBS, procs.open_file_limit() // 16))
         self._commit_lock = threading.Lock()  # one commit at a time (held across its fsyncs)
@@ -791,33 +793,35 @@ class Worker:
         take Python's lock from this thread at each of their many calls
         (measured: ~400 us a job, against ~70 here)."""
         self._complete_synced(COMPLETE_PER_JOB)
-        if not self._staged or self._sync_wanted.is_set():
+        if self._sync_wanted.is_set():
             return
-        last_out = self._staged[-1][1]
-        if (len(self._staged) >= self._stage_max or last_out.end - last_out.start >= self._commit_seconds
-                or time.monotonic() - self._staged_since >= self._commit_seconds):
+        with self._uncommitted_lock:
+            staged, since = self._staged, self._staged_since
+        if staged and (len(staged) >= self._stage_max or staged[-1][1].end - staged[-1][1].start >= self._commit_seconds
+                       or time.monotonic() - since >= self._commit_seconds):
             self._sync_wanted.set()
 
     def _sync_staged(self) -> None:
         """Make the staged records durable, one sync for all of them; they
         then wait to be moved on."""
         with self._uncommitted_lock:
-            staged, self._staged = self._staged, []
+            staged, since, self._staged = self._staged, self._staged_since, []
         if not staged:
             return
         try:
             self.spool.dir.sync_data([claimed.held.staged[1] for claimed, *_ in staged])
-        except (Exception, ForcedStop) as e:
+        except BaseException as e:
             for item in staged:
                 self._cannot_record(item, f"cannot sync finished jobs: {type(e).__name__}: {e}")
-            return
-        now = time.monotonic()
+            if isinstance(e, (Exception, ForcedStop)):
+                return
+            raise  # (Ctrl-C in a program that calls Spool.work: the jobs are let go first)
         with self._uncommitted_lock:
-            self._synced.extend((now, item) for item in staged)
+            self._synced.extend((since, item) for item in staged)
 
     def _complete_synced(self, limit: int | None = None, older_than: float = 0.0) -> None:
         """Swap in the synced records and move their jobs on: up to
-        ``limit``, of those synced at least ``older_than`` seconds ago."""
+        ``limit``, of those staged at least ``older_than`` seconds ago."""
         done = 0
         while limit is None or done < limit:
             with self._uncommitted_lock:
@@ -827,9 +831,11 @@ class Worker:
             claimed, out, attempt, dest, due = item
             try:
                 transitions.complete(claimed.held, dest, due)
-            except (Exception, ForcedStop) as e:
+            except BaseException as e:
                 self._cannot_record(item, f"cannot record the outcome: {type(e).__name__}: {e}")
-                continue
+                if isinstance(e, (Exception, ForcedStop)):
+                    continue
+                raise
             self._ended(claimed, out, attempt, dest, due)
             done += 1
 
@@ -849,7 +855,7 @@ class Worker:
         has waited COMMIT_SECONDS, even while the next job runs (a long job
         must not hold back the outcome of the one before)."""
         # With -j 1 the dispatcher moves staged jobs on between its jobs; this
-        # thread takes them only once they have waited twice the interval
+        # thread takes them only once they were staged twice the interval ago
         # (the dispatcher is then busy with a long job).
         staged_age = self._commit_seconds * (2 if self.jobs == 1 else 1)
         wanted = self._sync_wanted

@@ -292,6 +292,51 @@ def test_a_torn_staged_record_is_not_trusted(spool, tmp_path):
     assert (tmp_path / "runs" / torn_id).read_text() == "ran\nran\n"
 
 
+def test_recovery_trusts_a_staged_record_only_for_the_run_it_belongs_to(fast_spool):
+    """What a worker killed mid-finish leaves, made by hand: for ``swapped``
+    the finished record already took the job's name (the old inode under a
+    staged name whose CRC is the record's); for ``staged`` the record waits
+    under its staged name. Each counts the run once. Each has a twin the
+    evidence does not fit (a registration says a later run was under way;
+    the staged record's history is not this job's), whose run counts as
+    interrupted."""
+    import zlib
+
+    s = fast_spool
+    ids = ["swapped", "swapped_later_run", "staged", "staged_other_history"]
+    for job_id in ids:
+        s.enqueue("--id", job_id, "--max-attempts", "5", "exit 1")
+    s.work()
+    cur = s.path / "cur"
+    for job_id in ids:  # each failed once, then its finish was cut short
+        os.rename(s.path / "failed" / f"{job_id}.json", cur / f"{job_id}.json")
+
+    def stage(job_id: str, data: bytes) -> None:
+        (cur / f".staged.{job_id}.json.{zlib.crc32(data):08x}").write_bytes(data)
+
+    for job_id in ("swapped", "swapped_later_run"):
+        crc = zlib.crc32((cur / f"{job_id}.json").read_bytes())
+        (cur / f".staged.{job_id}.json.{crc:08x}").write_bytes(b"the old record: any bytes")
+    for job_id, first in (("staged", None), ("staged_other_history", {"attempt": 1, "exit_code": 7})):
+        job = s.record("cur", job_id)
+        history = [first] if first else job["history"]
+        job.update(state="done", outcome="succeeded", attempts=2, exit_code=0,
+                   history=history + [{"attempt": 2, "exit_code": 0}])
+        stage(job_id, json.dumps(job).encode())
+    registration = {"worker": "gone.2.abcdef", "pid": 2, "boot_id": "", "jobs": {"swapped_later_run": {"attempt": 2}}}
+    (s.path / "workers" / "gone.2.abcdef.json").write_text(json.dumps(registration))
+
+    out = s.run("sweep").stdout
+    assert "completed 2" in out and "recovered 2 to failed/" in out, out
+    assert s.where("swapped") == ["failed"] and s.record("failed", "swapped")["attempts"] == 1
+    assert os.stat(s.path / "failed" / "swapped.json").st_mtime > time.time() + 30  # its backoff, as it would have had
+    assert s.where("staged") == ["done"] and s.record("done", "staged")["attempts"] == 2
+    for job_id in ("swapped_later_run", "staged_other_history"):
+        job = s.record("failed", job_id)
+        assert job["attempts"] == 2 and job["history"][-1]["error"] == "interrupted: the worker running it died", job_id
+    assert not [n for n in os.listdir(cur) if n.startswith(".")]
+
+
 def test_recovery_of_more_jobs_than_the_open_file_limit_allows_open(fast_spool):
     """Many worker processes died at once (a power cut under -j 200), and a
     worker starts with a soft limit of 48 open files: recovery holds cur/'s
