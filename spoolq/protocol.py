@@ -486,21 +486,9 @@ class SpoolDir:
             spares, self._spares = self._spares + self._retired, []
             self._retired = []
         for name, fd in spares:
-            if self._fds and not self._job_in_cur(staged_job_name(name)):
+            if self._fds:
                 _unlink_quietly(self._fds["cur"], name)
             _close_held(fd)
-
-    def _job_in_cur(self, name: str | None) -> bool:
-        """Whether ``cur/name`` exists. (An old inode left under a staged
-        name is kept while its job is in cur/: after a failed move, the
-        CRC in that name tells recovery the job's record is its finish.)"""
-        if not name:
-            return False
-        try:
-            os.stat(name, dir_fd=self._fds["cur"], follow_symlinks=False)
-            return True
-        except OSError:
-            return False
 
     def remove_stale_spares(self) -> int:
         """Remove spare files that dead processes left in cur/ (and staged

@@ -662,13 +662,6 @@ def _recover_held(ctx: Context, held: Held, run: tuple | None, staged: tuple[str
     reg, entry = run if run else (None, None)
     run_attempt = entry.get("attempt") if entry and isinstance(entry.get("attempt"), int) else attempts + 1
     finished = job.get("state") in ("done", "dead")  # never claimed in that state: a recorded finish
-    if not finished and entry is None and staged:
-        # A staged finish already swapped in, not yet moved on: the job's
-        # bytes are those whose CRC a staged name carries (the old inode took
-        # that name in the swap). Only without a registration entry (which a
-        # staged run has given up): one would say a later run was under way.
-        data = held.read(int(ctx.settings["max_job_bytes"]))
-        finished = any(staged_intact(name, data) for name in staged)
     if not finished:
         outcome = _staged_outcome(ctx, staged, job, run_attempt, staged_held)
         if outcome is not None:

@@ -720,11 +720,14 @@ class Worker:
             )
             return
         if claimed.held.staged is not None:  # moved on by the next commit
-            # The run is over: its registration entry goes now, else every
-            # registration save would carry the staged jobs too. (Recovery
-            # then takes the run to be the one after the record's attempts,
-            # which is the staged record's.)
-            self._forget_run(job_id)
+            # A success or a dead end lets its registration entry go now, or
+            # every registration save would carry the staged jobs too:
+            # recovery knows those records by their state. A failed run keeps
+            # it until the move: its record swapped in but not moved on looks
+            # like the one it replaced, and the entry tells recovery which
+            # run it was.
+            if dest != "failed":
+                self._forget_run(job_id)
             with self._uncommitted_lock:
                 if not self._staged:
                     self._staged_since = time.monotonic()

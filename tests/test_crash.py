@@ -233,13 +233,16 @@ def _staged(s) -> list[str]:
     return sorted(n for n in os.listdir(s.path / "cur") if n.startswith(".staged."))
 
 
-def _kill_with_staged_outcomes(s, tmp_path, finished: int) -> tuple[list[str], str]:
-    """Run ``finished`` short jobs (each counts its runs) and then a long
-    one under a worker whose group commit never comes due, and kill -9 it
-    while the short jobs' outcomes are staged, not yet moved on."""
+def _kill_with_staged_outcomes(s, tmp_path, finished: int, failing: int = 0) -> tuple[list[str], str]:
+    """Run ``finished`` short jobs (each counts its runs; the last
+    ``failing`` of them fail) and then a long one under a worker whose group
+    commit never comes due, and kill -9 it while the short jobs' outcomes
+    are staged, not yet moved on."""
     runs = tmp_path / "runs"
     runs.mkdir()
-    short = [s.enqueue("--id", f"short{i}", f'echo ran >> {runs}/"$SPOOLQ_JOB_ID"') for i in range(finished)]
+    short = [s.enqueue("--id", f"short{i}", "--max-attempts", "5",
+                       f'echo ran >> {runs}/"$SPOOLQ_JOB_ID"' + ("; exit 3" if i >= finished - failing else ""))
+             for i in range(finished)]
     started = tmp_path / "started"
     long_id = s.enqueue("--id", "long", f"touch {started}; exec sleep 300")
     worker = s.popen("work", env={"SPOOLQ_TEST_COMMIT_SECONDS": "600"}, stderr=subprocess.DEVNULL)
@@ -257,14 +260,16 @@ def test_outcomes_staged_for_a_group_sync_survive_kill_9(spool, tmp_path):
     finds each staged record (whole: its CRC matches) and completes the
     move, and no finished job runs again."""
     s = spool
-    short, long_id = _kill_with_staged_outcomes(s, tmp_path, 4)
+    short, long_id = _kill_with_staged_outcomes(s, tmp_path, 4, failing=2)
     out = s.run("sweep").stdout
     assert "completed 4" in out and "recovered 1 to failed/" in out, out
-    for job_id in short:
-        assert s.where(job_id) == ["done"]
-        job = s.record("done", job_id)
-        assert job["outcome"] == "succeeded" and job["attempts"] == 1 and len(job["history"]) == 1
+    for job_id, state in zip(short, ["done", "done", "failed", "failed"]):
+        assert s.where(job_id) == [state]
+        job = s.record(state, job_id)
+        assert job["attempts"] == 1 and len(job["history"]) == 1 and job["history"][0]["exit_code"] == (0 if state == "done" else 3)
         assert (tmp_path / "runs" / job_id).read_text() == "ran\n"  # ran once, not again
+        if state == "failed":  # and waits its backoff
+            assert os.stat(s.path / "failed" / f"{job_id}.json").st_mtime > time.time() + 30
     assert s.where(long_id) == ["failed"]
     assert s.record("failed", long_id)["history"][-1]["error"] == "interrupted: the worker running it died"
     assert _staged(s) == [] and not [n for n in os.listdir(s.path / "cur") if n.startswith(".")]
@@ -292,13 +297,14 @@ def test_a_torn_staged_record_is_not_trusted(spool, tmp_path):
     assert (tmp_path / "runs" / torn_id).read_text() == "ran\nran\n"
 
 
-def test_recovery_trusts_a_staged_record_only_for_the_run_it_belongs_to(fast_spool):
+def test_recovery_counts_a_cut_short_finish_once(fast_spool):
     """What a worker killed mid-finish leaves, made by hand: for ``swapped``
-    the finished record already took the job's name (the old inode under a
-    staged name whose CRC is the record's); for ``staged`` the record waits
-    under its staged name. Each counts the run once. Each has a twin the
-    evidence does not fit (a registration says a later run was under way;
-    the staged record's history is not this job's), whose run counts as
+    the failed run's record already took the job's name, and the worker's
+    registration (kept until the move for a failed run) names that run; for
+    ``staged`` the record waits under its staged name, CRC in the name. Each
+    counts the run once, and the failed one keeps its backoff. Each has a
+    twin the evidence does not fit (the registration names a later run; the
+    staged record's history is not this job's), whose run counts as
     interrupted."""
     import zlib
 
@@ -310,20 +316,15 @@ def test_recovery_trusts_a_staged_record_only_for_the_run_it_belongs_to(fast_spo
     cur = s.path / "cur"
     for job_id in ids:  # each failed once, then its finish was cut short
         os.rename(s.path / "failed" / f"{job_id}.json", cur / f"{job_id}.json")
-
-    def stage(job_id: str, data: bytes) -> None:
-        (cur / f".staged.{job_id}.json.{zlib.crc32(data):08x}").write_bytes(data)
-
-    for job_id in ("swapped", "swapped_later_run"):
-        crc = zlib.crc32((cur / f"{job_id}.json").read_bytes())
-        (cur / f".staged.{job_id}.json.{crc:08x}").write_bytes(b"the old record: any bytes")
     for job_id, first in (("staged", None), ("staged_other_history", {"attempt": 1, "exit_code": 7})):
         job = s.record("cur", job_id)
         history = [first] if first else job["history"]
         job.update(state="done", outcome="succeeded", attempts=2, exit_code=0,
                    history=history + [{"attempt": 2, "exit_code": 0}])
-        stage(job_id, json.dumps(job).encode())
-    registration = {"worker": "gone.2.abcdef", "pid": 2, "boot_id": "", "jobs": {"swapped_later_run": {"attempt": 2}}}
+        data = json.dumps(job).encode()
+        (cur / f".staged.{job_id}.json.{zlib.crc32(data):08x}").write_bytes(data)
+    runs = {"swapped": {"attempt": 1}, "swapped_later_run": {"attempt": 2}}
+    registration = {"worker": "gone.2.abcdef", "pid": 2, "boot_id": "", "jobs": runs}
     (s.path / "workers" / "gone.2.abcdef.json").write_text(json.dumps(registration))
 
     out = s.run("sweep").stdout
