@@ -40,6 +40,7 @@ class Registration:
         self.spool = spool
         self.worker_id = worker_id or make_worker_id()
         self.jobs: dict[str, dict[str, Any]] = {}
+        self._on_disk: set[str] = set()  # the jobs of the last save
         self._dirty = False
         self._stop_flusher: threading.Event | None = None
         self._prefix = ""
@@ -68,6 +69,7 @@ class Registration:
         self._dirty = False
         if self._held is not None:
             self._held.rewrite(self._dumps(), durable=False)
+            self._on_disk = set(self.jobs)
 
     # Only job_spawned writes at once: the process group must be on disk
     # before the worker can die and orphan it. Starts and ends are written by
@@ -77,10 +79,15 @@ class Registration:
     # at most the flush interval; for a drain it saves a write per job.
 
     def job_started(self, job_id: str, attempt: int) -> None:
-        """Note that a run begins."""
+        """Note that a run begins. Written at once if the file still lists
+        this job's previous run (ended, not yet flushed: a job retried within
+        the flush interval): recovery would take that run for the one under
+        way, and a recorded finish of it for this run's."""
         with self._lock:
             self.jobs[job_id] = {"attempt": attempt, "started_at": rfc3339()}
             self._dirty = True
+            if job_id in self._on_disk:
+                self._save()
 
     def job_spawned(self, job_id: str, pid: int, spawn_window: tuple[int, int]) -> None:
         """Record the process group of a run now, so recovery can kill what it

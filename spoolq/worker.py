@@ -428,7 +428,9 @@ class Worker:
                 if not first and claimed_this_pass == 0 and self._finished_since_scan == 0:
                     # Nothing changed since the last look.
                     self._commit()
-                    if self._busy_this_pass and busy_rounds < BUSY_RETRIES:
+                    if self._finished_since_scan:
+                        pass  # staged jobs moved on since (a retry may be due at once): look again
+                    elif self._busy_this_pass and busy_rounds < BUSY_RETRIES:
                         # Another worker held a due file for a moment: it was
                         # claiming it, or prepared it ahead and may let it go.
                         # No event will say so; look again soon, rather than
@@ -824,7 +826,9 @@ class Worker:
 
     def _complete_synced(self, limit: int | None = None, older_than: float = 0.0) -> None:
         """Swap in the synced records and move their jobs on: up to
-        ``limit``, of those staged at least ``older_than`` seconds ago."""
+        ``limit``, of those staged at least ``older_than`` seconds ago.
+        Each counts as a finish for the dispatcher: a failed job may be due
+        again at once, and it could not see it while it waited in cur/."""
         done = 0
         while limit is None or done < limit:
             with self._uncommitted_lock:
@@ -841,6 +845,8 @@ class Worker:
                 raise
             self._ended(claimed, out, attempt, dest, due)
             done += 1
+            with self._lock:
+                self._finished_since_scan += 1
 
     def _cannot_record(self, item: tuple[transitions.Claimed, Outcome, int, str, float | None], why: str) -> None:
         """A staged job that cannot be moved on stays in cur/ with its staged

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 
 from conftest import wait_for
@@ -336,6 +337,37 @@ def test_recovery_counts_a_cut_short_finish_once(fast_spool):
         job = s.record("failed", job_id)
         assert job["attempts"] == 2 and job["history"][-1]["error"] == "interrupted: the worker running it died", job_id
     assert not [n for n in os.listdir(cur) if n.startswith(".")]
+
+
+def test_a_retry_that_kills_its_worker_before_a_flush_is_counted(fast_spool, tmp_path):
+    """An in-process handler's run reaches workers/ when the registration is
+    next flushed. A job whose first run lasted past a flush, failed, and was
+    retried at once (zero backoff) by the same worker, which its retry then
+    killed: the file must not still name the first run, or recovery takes
+    the first run's recorded failure for the second's."""
+    s = fast_spool
+    s.config("backoff_initial", 0)
+    s.run("enqueue", "--kind", "flaky", "--id", "flaky", "--max-attempts", "5")
+    mark = tmp_path / "ran-once"
+    program = (
+        "import os, signal, sys, time\n"
+        "from spoolq import Spool\n"
+        "def flaky(payload):\n"
+        f"    if not os.path.exists({str(mark)!r}):\n"
+        f"        open({str(mark)!r}, 'w').close()\n"
+        "        time.sleep(0.6)  # past the registration's flush (every 0.25 s)\n"
+        "        raise RuntimeError('the first run fails')\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        f"Spool({str(s.path)!r}).work(handlers={{'flaky': flaky}})\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert s.ids("cur") == ["flaky"]
+    assert "recovered 1 to failed/" in s.run("sweep").stdout
+    job = s.record("failed", "flaky")
+    assert job["attempts"] == 2
+    assert [h.get("error") for h in job["history"]] == ["RuntimeError: the first run fails",
+                                                        "interrupted: the worker running it died"]
 
 
 def test_recovery_of_more_jobs_than_the_open_file_limit_allows_open(fast_spool):

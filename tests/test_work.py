@@ -148,6 +148,16 @@ def test_backoff_is_capped_and_zero_stays_zero(fast_spool):
     assert s.show(zero)["attempts"] == 4 and s.where(zero) == ["dead"]
 
 
+def test_zero_backoff_retries_run_in_the_same_drain_with_fsync_on(spool):
+    """With fsync on a failed job waits in cur/ for its group sync when the
+    drain looks again; the drain must still see it due once it moves on."""
+    s = spool
+    s.config("backoff_initial", 0)
+    zero = s.enqueue("--max-attempts", "3", "exit 1")
+    s.work()
+    assert s.show(zero)["attempts"] == 3 and s.where(zero) == ["dead"]
+
+
 def test_dead_job_back_with_retry_and_with_mv(fast_spool):
     s = fast_spool
     s.config("backoff_initial", 0)
