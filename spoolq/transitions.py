@@ -393,14 +393,18 @@ def finish(ctx: Context, claimed: Claimed, out: Outcome, worker_id: str, due_now
         if due_now or out.interrupted:
             due = now
         else:
-            delay = config.backoff(ctx.settings, attempt, random.uniform(-0.1, 0.1))
-            due = now + delay
+            due = now + _backoff(ctx, attempt)
     job["state"] = dest
     job["finished_at" if dest != "failed" else "failed_at"] = end
     if stage and claimed.held.stage(record.dumps(job)):
         return dest, due
     _write_and_move(claimed.held, job, dest, due, defer_sync)
     return dest, due
+
+
+def _backoff(ctx: Context, failures: int) -> float:
+    """Seconds until the retry after the ``failures``-th failed run (with jitter)."""
+    return config.backoff(ctx.settings, failures, random.uniform(-0.1, 0.1))
 
 
 def complete(held: Held, dest: str, due: float | None) -> None:
@@ -672,7 +676,7 @@ def _recover_held(ctx: Context, held: Held, run: tuple | None, staged: tuple[str
         # A failed run's retry waits its backoff, as it would have.
         due = None
         if job["state"] == "failed":
-            due = time.time() + config.backoff(ctx.settings, int(job.get("attempts") or 1), random.uniform(-0.1, 0.1))
+            due = time.time() + _backoff(ctx, int(job.get("attempts") or 1))
         _write_and_move(held, job, job["state"], due)
         report.completed += 1
         return

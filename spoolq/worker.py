@@ -797,6 +797,8 @@ class Worker:
         moves are this thread's, a few per job: in the committer they would
         take Python's lock from this thread at each of their many calls
         (measured: ~400 us a job, against ~70 here)."""
+        if not self._staged and not self._synced:
+            return  # (fsync off, or nothing waits: no lock taken)
         self._complete_synced(COMPLETE_PER_JOB)
         if self._sync_wanted.is_set():
             return
