@@ -817,3 +817,82 @@ def test_a_timeout_holds_while_the_worker_polls(fast_spool):
     assert time.monotonic() - started < 15  # the job's 30 s sleep was cut short
     job = fast_spool.show(job_id)
     assert job["error"] == "timed out after 0.3s" and job["exit_code"] == -15
+
+
+def _evict(paths) -> None:
+    """Drop files' pages from the page cache (written back first), as the
+    kernel does to files nobody touched for a while."""
+    os.sync()
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _cached(path) -> bool:
+    """Whether the first page of ``path`` is in the page cache (a read that
+    may not wait for the disk). If not, the kernel starts reading it in."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.preadv(fd, [bytearray(1)], 0, os.RWF_NOWAIT)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def _cold_reads_are_slow(folder) -> bool:
+    """Whether reading an evicted small file here waits long enough for a
+    worker to notice (protocol.SLOW_READ_NS): not on tmpfs, where nothing
+    leaves memory, nor on a disk as fast as memory."""
+    from spoolq.protocol import SLOW_READ_NS
+
+    folder.mkdir()
+    paths = [folder / str(i) for i in range(32)]
+    for p in paths:
+        p.write_bytes(b"{}" * 50)
+    _evict(paths)
+    slow = 0
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        began = time.perf_counter_ns()
+        os.pread(fd, 200, 0)
+        slow += time.perf_counter_ns() - began > SLOW_READ_NS
+        os.close(fd)
+    return slow >= 24
+
+
+def _willneeds(spool, *work_args: str) -> int:
+    """Run ``spoolq work`` under strace; how many files it read ahead."""
+    log = spool.path.parent / "fadvise.log"
+    subprocess.run(["strace", "-f", "-qq", "--seccomp-bpf", "-e", "trace=fadvise64", "-o", str(log)]
+                   + SPOOLQ + ["-s", str(spool.path), "work", *work_args],
+                   capture_output=True, text=True, check=True, timeout=120)
+    return sum("POSIX_FADV_WILLNEED" in line for line in log.read_text().splitlines())
+
+
+@pytest.mark.skipif(not _strace_filters() or not hasattr(os, "RWF_NOWAIT"), reason="needs strace (seccomp-bpf) and preadv2")
+def test_a_drain_reads_ahead_once_its_files_have_left_the_page_cache(fast_spool, tmp_path):
+    """A backlog that waited long enough for the kernel to drop its files
+    from memory would cost each claim a disk read of its own: a worker
+    that sees its claims' reads wait asks the kernel to read the files
+    ahead (posix_fadvise WILLNEED), and one whose files are in memory
+    does not. Either way each job runs once."""
+    if not _cold_reads_are_slow(tmp_path / "probe"):
+        pytest.skip("reading an evicted file here is not slower than reading memory")
+    s = fast_spool
+    n = 400
+    s.run("enqueue", "--jsonl", "-", input='{"argv": ["true"]}\n' * n)
+    assert _willneeds(s, "--max-jobs", "100") == 0  # read from memory: nothing to read ahead
+    waiting = [s.path / "new" / name for name in s.names("new")]
+    assert len(waiting) == n - 100
+    _evict(waiting)
+    assert not any(_cached(p) for p in waiting[-20:])  # (read in by this; the drain would read them ahead anyway)
+    ahead = _willneeds(s)
+    # The first claims find out (PROBE_CLAIMS), the rest were read ahead.
+    assert n - 100 - 2 * 64 <= ahead <= n - 100
+    assert len(s.ids("done")) == n and not s.names("new") and not s.names("cur")
+    assert all(s.record("done", i)["attempts"] == 1 for i in s.ids("done"))
