@@ -12,11 +12,32 @@ the signal can only reach the process that was checked.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
+from typing import Iterator
 
 _boot_id: str | None = None
+
+# What a worker handles: stop, stop now, reload, and a pool's relayed stops.
+HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+
+
+@contextlib.contextmanager
+def signals_to_main_thread() -> Iterator[None]:
+    """Threads started inside this block HANDLED_SIGNALS, so the kernel
+    delivers those to the main thread. A signal sent to the process goes
+    to any one of its threads that does not block it, and Python runs the
+    handler in the main thread only once that thread runs Python again:
+    one that landed on a helper thread left a watching worker asleep in
+    its 30-second rescan wait before it stopped. (Only for helper threads:
+    a thread that starts jobs would pass the mask on to them.)"""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def boot_id() -> str:

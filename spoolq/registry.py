@@ -123,7 +123,8 @@ class Registration:
                 except OSError:
                     pass
 
-        threading.Thread(target=loop, name="spoolq-registration", daemon=True).start()
+        with procs.signals_to_main_thread():
+            threading.Thread(target=loop, name="spoolq-registration", daemon=True).start()
 
     def close(self) -> None:
         """Unregister. If runs are still listed (the worker is failing, not

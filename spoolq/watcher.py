@@ -26,6 +26,7 @@ import os
 import threading
 from typing import Any
 
+from . import procs
 from .protocol import SpoolDir
 from .worker import Log, Waker
 
@@ -103,14 +104,16 @@ class InotifyWaker(Waker):
 
         observer = _make_observer(no_delay=self.scope != "paired")
         try:
-            if self.scope == "root":
-                observer.schedule(Handler(), self.spool.root, recursive=True,
-                                  event_filter=[FileCreatedEvent, FileMovedEvent])
-            else:
-                for folder in WAKING_FOLDERS:
-                    observer.schedule(Handler(), os.path.join(self.spool.root, folder), recursive=False,
+            # (watchdog starts a thread as it schedules, and more as it starts.)
+            with procs.signals_to_main_thread():
+                if self.scope == "root":
+                    observer.schedule(Handler(), self.spool.root, recursive=True,
                                       event_filter=[FileCreatedEvent, FileMovedEvent])
-            observer.start()
+                else:
+                    for folder in WAKING_FOLDERS:
+                        observer.schedule(Handler(), os.path.join(self.spool.root, folder), recursive=False,
+                                          event_filter=[FileCreatedEvent, FileMovedEvent])
+                observer.start()
         except OSError as e:
             # No inotify here (watch limit, instance limit, unsupported
             # filesystem): degrade to frequent timed rescans, do not die.

@@ -384,7 +384,8 @@ class Worker:
             self.waker.rescan_interval = self._rescan_interval()
             self.waker.start()
             committer_stop = threading.Event()
-            threading.Thread(target=self._committer, args=(committer_stop,), name="spoolq-commit", daemon=True).start()
+            with procs.signals_to_main_thread():
+                threading.Thread(target=self._committer, args=(committer_stop,), name="spoolq-commit", daemon=True).start()
             if self.jobs > 1:
                 for i in range(self.jobs):
                     t = threading.Thread(target=self._slot, name=f"spoolq-slot-{i}", daemon=True)

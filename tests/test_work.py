@@ -435,6 +435,46 @@ def test_a_stop_while_the_worker_processes_start_ends_cleanly(fast_spool):
     assert s.status()["workers"] == []
 
 
+def _blocked_signals(pid: int) -> dict[int, int]:
+    """Each thread of ``pid`` and the mask of signals it blocks."""
+    masks = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                masks[int(tid)] = int(next(line for line in f if line.startswith("SigBlk:")).split()[1], 16)
+        except FileNotFoundError:
+            pass
+    return masks
+
+
+def test_a_stop_always_reaches_a_workers_main_thread(fast_spool, tmp_path):
+    """A signal sent to a process goes to any of its threads that does not
+    block it, and Python runs the handler only once the main thread runs
+    Python again: a SIGTERM sent to one of the helper threads (with
+    tgkill: registration, commit, watchdog's) left a watching worker asleep
+    until its next rescan, 28 s later. So every helper thread blocks the
+    signals a worker handles and its main thread none, and the jobs it
+    starts inherit no blocked signal."""
+    s = fast_spool
+    handled = sum(1 << (sig - 1) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2))
+    for n, args in enumerate((["--watch"], ["--poll", "5"], ["--watch", "-j", "2"])):
+        out = tmp_path / f"job-mask-{n}"
+        s.enqueue(f"grep SigBlk /proc/self/status > {out}.tmp && mv {out}.tmp {out}")
+        proc = s.popen("work", *args, stderr=subprocess.PIPE, text=True)
+        wait_for(out.exists, what="the job")  # by then every thread of the worker has started
+        assert int(out.read_text().split()[1], 16) == 0
+        workers = [proc.pid] if "-j" not in args else [int(p) for p in open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()]
+        assert len(workers) == (2 if "-j" in args else 1)
+        for pid in workers:
+            masks = _blocked_signals(pid)
+            assert len(masks) >= 3, masks  # the main thread, the registration's, the committer's (and watchdog's)
+            assert masks.pop(pid) & handled == 0
+            assert all(mask & handled == handled for mask in masks.values()), (args, masks)
+        proc.terminate()
+        _, err = proc.communicate(timeout=15)  # well before the 30 s rescan
+        assert proc.returncode == 0, err
+
+
 def test_work_exits_when_nothing_is_due(fast_spool):
     s = fast_spool
     s.enqueue("--in", "1h", "true")
