@@ -31,6 +31,11 @@ from .worker import RELAYED_SIGNALS, Log, Worker
 
 PASSED_ON = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 ALL_HANDLED = PASSED_ON + RELAYED_SIGNALS  # what a worker process handles
+# Blocked in the parent for the whole run and taken with sigwaitinfo: a
+# handler would run only once Python runs again, and a signal that came
+# just before the parent went to sleep in waitid() was handled by nobody
+# until a worker ended (a stop lost about once in 500 starts).
+WAITED = PASSED_ON + (signal.SIGCHLD,)
 
 
 def shares(max_jobs: int | None, processes: int) -> list[int | None]:
@@ -53,6 +58,7 @@ def run_workers(make_spool: Callable[[], Any], processes: int, handlers: dict, m
     parent = os.getpid()
     children: set[int] = set()
     stop_signals = 0
+    clean = True
 
     def tell(relay: int) -> None:
         for pid in list(children):
@@ -61,49 +67,28 @@ def run_workers(make_spool: Callable[[], Any], processes: int, handlers: dict, m
             except ProcessLookupError:
                 pass
 
-    def pass_on(signum: int, frame: Any) -> None:
+    def pass_on(signum: int) -> None:
         nonlocal stop_signals
-        if os.getpid() != parent:  # a child that has not yet put its own handlers in place
-            return
         if signum == signal.SIGHUP:
             tell(signal.SIGHUP)
             return
         stop_signals += 1
         tell(signal.SIGUSR1 if stop_signals == 1 else signal.SIGUSR2)
 
-    old = {sig: signal.signal(sig, pass_on) for sig in PASSED_ON}
-    clean = True
-    try:
-        for share in shares(max_jobs, processes):
-            if share == 0:
-                continue
-            # Held back around the fork, so that a child has its own handlers
-            # in place before any signal (a relayed stop) can reach it.
-            signal.pthread_sigmask(signal.SIG_BLOCK, ALL_HANDLED)
-            try:
-                # Checked only now: a signal that came just before may have
-                # had its handler run as they were blocked, telling only the
-                # workers started so far.
-                if stop_signals:  # told to stop while starting: start no more
-                    break
-                for stream in (sys.stdout, sys.stderr):  # or a child would print what the parent buffered
-                    _flush(stream)
-                pid = os.fork()
-                if pid == 0:
-                    _worker_process(make_spool, handlers, share, max_time, watch, poll, log, parent, processes)
-                children.add(pid)
-            finally:
-                signal.pthread_sigmask(signal.SIG_UNBLOCK, ALL_HANDLED)
+    def reap() -> None:
+        """Reap every worker that has ended (without blocking)."""
+        nonlocal clean
         while children:
             # Learn which child ended before reaping it: until it is reaped
             # its pid cannot be reused, so a signal passed on meanwhile never
             # reaches a stranger.
             try:
-                info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT)
+                info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT | os.WNOHANG)
             except ChildProcessError:
-                break
+                children.clear()
+                return
             if info is None:
-                continue
+                return
             pid = info.si_pid
             children.discard(pid)
             _, status = os.waitpid(pid, 0)
@@ -115,10 +100,36 @@ def run_workers(make_spool: Callable[[], Any], processes: int, handlers: dict, m
                 if code < 0:
                     log.line(f"a worker process (pid {pid}) was killed by {signal.Signals(-code).name}; the others "
                              "stop, and its job is recovered when spoolq work next starts", 0)
+
+    # Blocked before the first fork: a child starts with them blocked and
+    # unblocks them once its own handlers are in place.
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, WAITED + RELAYED_SIGNALS)
+    try:
+        for share in shares(max_jobs, processes):
+            if share == 0:
+                continue
+            while (info := signal.sigtimedwait(PASSED_ON, 0)) is not None:
+                pass_on(info.si_signo)
+            if stop_signals:  # told to stop while starting: start no more
+                break
+            for stream in (sys.stdout, sys.stderr):  # or a child would print what the parent buffered
+                _flush(stream)
+            pid = os.fork()
+            if pid == 0:
+                _worker_process(make_spool, handlers, share, max_time, watch, poll, log, parent, processes)
+            children.add(pid)
+        while True:
+            reap()
+            if not children:
+                break
+            info = signal.sigwaitinfo(WAITED)  # a signal to pass on, or a worker ended
+            if info.si_signo != signal.SIGCHLD:
+                pass_on(info.si_signo)
     finally:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, ALL_HANDLED)
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
+        # Signals that came after the last worker ended have nobody to go to.
+        while signal.sigtimedwait(WAITED, 0) is not None:
+            pass
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
     return clean
 
 
@@ -136,10 +147,11 @@ def _worker_process(make_spool, handlers, share, max_time, watch, poll, log, par
     try:
         worker = Worker(make_spool(), handlers=handlers, jobs=1, max_jobs=share, max_time=max_time,
                         watch=watch, poll=poll, log=log, relayed=True, processes=processes)
-        # Until run() puts them in place (the same ones).
+        # Until run() puts them in place (the same ones). SIGCHLD was
+        # blocked for the parent's sake only.
         for sig in ALL_HANDLED:
             signal.signal(sig, worker._on_signal)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, ALL_HANDLED)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, ALL_HANDLED + (signal.SIGCHLD,))
         die_with_parent(signal.SIGUSR1)  # stop claiming when the command dies
         if os.getppid() != parent:  # the parent died before that took hold
             worker.stop()
