@@ -31,10 +31,10 @@ from .worker import RELAYED_SIGNALS, Log, Worker
 
 PASSED_ON = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 ALL_HANDLED = PASSED_ON + RELAYED_SIGNALS  # what a worker process handles
-# Blocked in the parent for the whole run and taken with sigwaitinfo: a
-# handler would run only once Python runs again, and a signal that came
-# just before the parent went to sleep in waitid() was handled by nobody
-# until a worker ended (a stop lost about once in 500 starts).
+# Blocked in the parent for the whole run and taken with sigtimedwait: a
+# handler runs only once Python runs again, and a signal that came just
+# before the parent went to sleep in waitid() was handled by nobody until
+# a worker ended (a stop lost about once in 500 starts).
 WAITED = PASSED_ON + (signal.SIGCHLD,)
 
 
@@ -101,8 +101,19 @@ def run_workers(make_spool: Callable[[], Any], processes: int, handlers: dict, m
                     log.line(f"a worker process (pid {pid}) was killed by {signal.Signals(-code).name}; the others "
                              "stop, and its job is recovered when spoolq work next starts", 0)
 
+    def on_signal(signum: int, frame: Any) -> None:
+        # Only for a signal the kernel gave another thread of this process
+        # (one an --app module started, where the signals are not blocked):
+        # the main thread runs this once its wait below times out.
+        if os.getpid() == parent:  # (not in a child before its own handlers are in place)
+            pass_on(signum)
+
     # Blocked before the first fork: a child starts with them blocked and
-    # unblocks them once its own handlers are in place.
+    # unblocks them once its own handlers are in place. SIGCHLD at its
+    # default, not ignored (as whoever started us may have left it), or
+    # the kernel would send none.
+    old_handlers = {sig: signal.signal(sig, on_signal) for sig in PASSED_ON}
+    old_handlers[signal.SIGCHLD] = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, WAITED + RELAYED_SIGNALS)
     try:
         for share in shares(max_jobs, processes):
@@ -118,18 +129,24 @@ def run_workers(make_spool: Callable[[], Any], processes: int, handlers: dict, m
             if pid == 0:
                 _worker_process(make_spool, handlers, share, max_time, watch, poll, log, parent, processes)
             children.add(pid)
+        if stop_signals:  # (a handler may have run before the last child was added; telling again is harmless)
+            tell(signal.SIGUSR1 if stop_signals == 1 else signal.SIGUSR2)
         while True:
             reap()
             if not children:
                 break
-            info = signal.sigwaitinfo(WAITED)  # a signal to pass on, or a worker ended
-            if info.si_signo != signal.SIGCHLD:
+            # A signal to pass on, or a worker ended; at least every second
+            # a look (the backstop for a signal that went to another thread).
+            info = signal.sigtimedwait(WAITED, 1.0)
+            if info is not None and info.si_signo != signal.SIGCHLD:
                 pass_on(info.si_signo)
     finally:
         # Signals that came after the last worker ended have nobody to go to.
-        while signal.sigtimedwait(WAITED, 0) is not None:
+        while signal.sigtimedwait(WAITED + RELAYED_SIGNALS, 0) is not None:
             pass
         signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+        for sig, handler in old_handlers.items():
+            signal.signal(sig, handler)
     return clean
 
 

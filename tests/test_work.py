@@ -435,6 +435,54 @@ def test_a_stop_while_the_worker_processes_start_ends_cleanly(fast_spool):
     assert s.status()["workers"] == []
 
 
+def test_work_j2_learns_of_a_killed_worker_when_started_with_sigchld_ignored(fast_spool):
+    """An ignored SIGCHLD survives exec (a daemon may start us so), and
+    then the kernel sends none and reaps children itself, exit status and
+    all. `work -j 2` puts it back to its default: a worker killed with -9
+    is still seen for what it was, the other one is stopped, and the
+    command fails."""
+    s = fast_spool
+    ignoring = "import os, signal, sys; signal.signal(signal.SIGCHLD, signal.SIG_IGN); os.execvp(sys.argv[1], sys.argv[1:])"
+    proc = subprocess.Popen([sys.executable, "-c", ignoring] + SPOOLQ + ["-s", str(s.path), "work", "--watch", "-j", "2"],
+                            stderr=subprocess.PIPE, text=True)
+    children = f"/proc/{proc.pid}/task/{proc.pid}/children"
+    workers = wait_for(lambda: len(open(children).read().split()) == 2 and open(children).read().split(),
+                       what="two worker processes")
+    wait_for(lambda: len(s.status()["workers"]) == 2, what="both workers registered")
+    os.kill(int(workers[0]), signal.SIGKILL)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1, err
+    assert f"a worker process (pid {workers[0]}) was killed by SIGKILL" in err
+
+
+def test_a_stop_that_reaches_a_thread_of_the_app_still_stops_work_j2(fast_spool, tmp_path):
+    """An --app module imported by `work -j 2` may start a thread of its
+    own in the parent, where the signals are not blocked, so a stop can
+    land there (sent to that thread here, with tgkill): the parent's
+    handler passes it on once its wait next times out, within a second."""
+    import ctypes
+
+    tgkill = {"x86_64": 234, "aarch64": 131}.get(os.uname().machine)
+    if tgkill is None:
+        pytest.skip("tgkill's system call number is known here only for x86_64 and aarch64")
+    s = fast_spool
+    (tmp_path / "threaded_app.py").write_text(
+        "import threading, time\n"
+        "threading.Thread(target=lambda: time.sleep(3600), name='app-thread', daemon=True).start()\n"
+        "HANDLERS = {}\n"
+    )
+    proc = subprocess.Popen(SPOOLQ + ["-s", str(s.path), "work", "--watch", "-j", "2", "--app", "threaded_app:HANDLERS"],
+                            cwd=str(tmp_path), stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: len(s.status()["workers"]) == 2, what="both workers registered")
+    app_threads = [int(t) for t in os.listdir(f"/proc/{proc.pid}/task") if int(t) != proc.pid]
+    assert len(app_threads) == 1  # the parent runs no thread of its own
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.syscall(tgkill, proc.pid, app_threads[0], signal.SIGTERM) == 0
+    _, err = proc.communicate(timeout=20)  # not asleep until a worker ends (never, watching)
+    assert proc.returncode == 0, err
+    assert err.count("signal=SIGUSR1 stopping") == 2
+
+
 def _blocked_signals(pid: int) -> dict[int, int]:
     """Each thread of ``pid`` and the mask of signals it blocks."""
     masks = {}
@@ -463,13 +511,27 @@ def test_a_stop_always_reaches_a_workers_main_thread(fast_spool, tmp_path):
         proc = s.popen("work", *args, stderr=subprocess.PIPE, text=True)
         wait_for(out.exists, what="the job")  # by then every thread of the worker has started
         assert int(out.read_text().split()[1], 16) == 0
-        workers = [proc.pid] if "-j" not in args else [int(p) for p in open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()]
-        assert len(workers) == (2 if "-j" in args else 1)
-        for pid in workers:
-            masks = _blocked_signals(pid)
-            assert len(masks) >= 3, masks  # the main thread, the registration's, the committer's (and watchdog's)
-            assert masks.pop(pid) & handled == 0
-            assert all(mask & handled == handled for mask in masks.values()), (args, masks)
+        def masks_as_they_should_be() -> bool:
+            """Every worker process started all its threads (the main one,
+            the registration's, the committer's, and watchdog's when
+            watching), helper threads block the handled signals, the main
+            thread none. (With -j 2 the other worker may still be starting.)"""
+            if "-j" in args:
+                with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+                    workers = [int(p) for p in f.read().split()]
+            else:
+                workers = [proc.pid]
+            if len(workers) != (2 if "-j" in args else 1):
+                return False
+            for pid in workers:
+                masks = _blocked_signals(pid)
+                if len(masks) < (3 if "--poll" in args else 6) or masks.pop(pid) & handled:
+                    return False
+                if not all(mask & handled == handled for mask in masks.values()):
+                    return False
+            return True
+
+        wait_for(masks_as_they_should_be, what=f"signal masks of the threads of work {' '.join(args)}")
         proc.terminate()
         _, err = proc.communicate(timeout=15)  # well before the 30 s rescan
         assert proc.returncode == 0, err
@@ -873,13 +935,15 @@ def _evict(paths) -> None:
 
 def _cached(path) -> bool:
     """Whether the first page of ``path`` is in the page cache (a read that
-    may not wait for the disk). If not, the kernel starts reading it in."""
+    does not wait for the disk)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.preadv(fd, [bytearray(1)], 0, os.RWF_NOWAIT)
         return True
     except BlockingIOError:
         return False
+    except OSError as e:  # RWF_NOWAIT not supported by this filesystem (overlayfs)
+        pytest.skip(f"cannot tell a cached page here: {e}")
     finally:
         os.close(fd)
 
@@ -930,9 +994,10 @@ def test_a_drain_reads_ahead_once_its_files_have_left_the_page_cache(fast_spool,
     waiting = [s.path / "new" / name for name in s.names("new")]
     assert len(waiting) == n - 100
     _evict(waiting)
-    assert not any(_cached(p) for p in waiting[-20:])  # (read in by this; the drain would read them ahead anyway)
+    assert not any(_cached(p) for p in waiting[-20:])
     ahead = _willneeds(s)
-    # The first claims find out (PROBE_CLAIMS), the rest were read ahead.
-    assert n - 100 - 2 * 64 <= ahead <= n - 100
+    # The first claims find out (one or two PROBE_CLAIMS of 64, three on a
+    # very busy host), the rest were read ahead, none twice.
+    assert (n - 100) // 3 <= ahead <= n - 100
     assert len(s.ids("done")) == n and not s.names("new") and not s.names("cur")
     assert all(s.record("done", i)["attempts"] == 1 for i in s.ids("done"))
