@@ -993,8 +993,12 @@ def test_a_drain_reads_ahead_once_its_files_have_left_the_page_cache(fast_spool,
     assert _willneeds(s, "--max-jobs", "100") == 0  # read from memory: nothing to read ahead
     waiting = [s.path / "new" / name for name in s.names("new")]
     assert len(waiting) == n - 100
-    _evict(waiting)
-    assert not any(_cached(p) for p in waiting[-20:])
+    for _ in range(5):  # (a page still being written back, or just read, is not dropped at once)
+        _evict(waiting)
+        if not any(_cached(p) for p in waiting[-20:]):
+            break
+    else:
+        pytest.skip("the kernel kept these files in memory")
     ahead = _willneeds(s)
     # The first claims find out (one or two PROBE_CLAIMS of 64, three on a
     # very busy host), the rest were read ahead, none twice.
