@@ -450,7 +450,14 @@ def test_work_j2_learns_of_a_killed_worker_when_started_with_sigchld_ignored(fas
                        what="two worker processes")
     wait_for(lambda: len(s.status()["workers"]) == 2, what="both workers registered")
     os.kill(int(workers[0]), signal.SIGKILL)
-    _, err = proc.communicate(timeout=60)
+    try:
+        _, err = proc.communicate(timeout=60)
+    finally:  # (started without the fixture's popen: no worker outlives a failure)
+        if proc.poll() is None:
+            for pid in open(children).read().split():
+                os.kill(int(pid), signal.SIGKILL)
+            proc.kill()
+            proc.wait()
     assert proc.returncode == 1, err
     assert f"a worker process (pid {workers[0]}) was killed by SIGKILL" in err
 
@@ -471,8 +478,8 @@ def test_a_stop_that_reaches_a_thread_of_the_app_still_stops_work_j2(fast_spool,
         "threading.Thread(target=lambda: time.sleep(3600), name='app-thread', daemon=True).start()\n"
         "HANDLERS = {}\n"
     )
-    proc = subprocess.Popen(SPOOLQ + ["-s", str(s.path), "work", "--watch", "-j", "2", "--app", "threaded_app:HANDLERS"],
-                            cwd=str(tmp_path), stderr=subprocess.PIPE, text=True)
+    proc = s.popen("work", "--watch", "-j", "2", "--app", "threaded_app:HANDLERS", cwd=str(tmp_path),
+                   stderr=subprocess.PIPE, text=True)
     wait_for(lambda: len(s.status()["workers"]) == 2, what="both workers registered")
     app_threads = [int(t) for t in os.listdir(f"/proc/{proc.pid}/task") if int(t) != proc.pid]
     assert len(app_threads) == 1  # the parent runs no thread of its own
