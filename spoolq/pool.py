@@ -26,11 +26,12 @@ import signal
 import sys
 from typing import Any, Callable
 
+from .procs import HANDLED_SIGNALS
 from .runner import die_with_parent
 from .worker import RELAYED_SIGNALS, Log, Worker
 
 PASSED_ON = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-ALL_HANDLED = PASSED_ON + RELAYED_SIGNALS  # what a worker process handles
+ALL_HANDLED = HANDLED_SIGNALS  # what a worker process handles: PASSED_ON and RELAYED_SIGNALS
 # Blocked in the parent for the whole run and taken with sigtimedwait: a
 # handler runs only once Python runs again, and a signal that came just
 # before the parent went to sleep in waitid() was handled by nobody until
