@@ -394,52 +394,80 @@ class Bench:
         """At each queue size: enqueue cost (the last 1,000 jobs in), status
         time, the bare system calls of a drain on a tenth of the jobs, and a
         whole worker draining the rest in a process of its own (cost per job
-        and its peak RSS)."""
-        import resource
+        and its peak RSS); then each larger size's per-job cost as a ratio
+        to the smallest's.
 
-        for size in sizes:
-            spool = self.fresh_spool(f"scale-{size}")
-            tail = min(1000, size)
-            for start in range(0, size - tail, 10000):
-                spool.enqueue_many([{"kind": "noop"}] * min(10000, size - tail - start))
-            t0 = time.perf_counter()
-            for _ in range(tail):
-                spool.enqueue(kind="noop")
-            enq = time.perf_counter() - t0
-            label = _short(size)
-            self.add(Figure(f"scale_enqueue_{label}", tail, enq, note=f"Spool.enqueue with {size - tail:,} already waiting"))
-            self.status_time(spool, label)
-            t0 = time.perf_counter()
-            from .worker import SCAN_LIMIT
-
-            spool.dir.scan(time.time_ns(), SCAN_LIMIT)
-            scan = time.perf_counter() - t0
-            self.add(Figure(f"scale_scan_{label}", size, scan, kind="time",
-                            note=f"one pass over new/ with {size:,} files (scandir + lstat, keep the first {SCAN_LIMIT // 1000}k): "
-                                 f"{scan * 1000:.0f} ms, {scan / size * 1e6:.1f} us per file"))
-            # The bare system calls of a drain, on the first tenth (at least
-            # 100, at most half) of these very files: what this filesystem
-            # itself costs at this size. Its second rename goes to a folder
-            # of its own, not to done/.
-            bare = self.bare_drain(spool, max(size // 10, min(100, size // 2)), f"scale_bare_drain_{label}")
-            # Timed inside its process: no start-up to subtract, which on a
-            # noisy host could leave a short drain with a negative time.
-            _, outputs = _run_together([[sys.executable, "-c", _WORKER_DRAIN, spool.path]])
-            ran, drain = outputs[0].split()
-            rss_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-            fig = self.add(Figure(f"scale_drain_{label}", int(ran), float(drain),
-                                  note=f"a worker (Spool.work, as `spoolq work --app` runs it) draining {int(ran):,} "
-                                       f"no-op handler jobs; peak RSS of all drains so far {rss_mb:.0f} MB"))
-            fig.extra["peak_rss_mb"] = round(rss_mb, 1)
-            if with_history and size == sizes[-1]:
-                self.history_at(spool, size - bare.jobs)
+        A small size is over in a fraction of a second, a snapshot of a host
+        whose speed drifts over the minutes a million jobs take: when larger
+        sizes follow, the smallest (if at most SCALE_REPEAT_UP_TO jobs) is
+        measured SCALE_BASELINE_RUNS times, some before the larger sizes and
+        the rest after them, and its figures are the medians."""
         first = _short(sizes[0])
+        repeat = len(sizes) > 1 and sizes[0] <= SCALE_REPEAT_UP_TO
+        before = (SCALE_BASELINE_RUNS + 1) // 2 if repeat else 1
+        runs = [self._scale_at(sizes[0], with_history and len(sizes) == 1) for _ in range(before)]
+        for size in sizes[1:]:
+            self._scale_at(size, with_history and size == sizes[-1])
+        if repeat:
+            runs += [self._scale_at(sizes[0], False) for _ in range(SCALE_BASELINE_RUNS - before)]
+            for kind in ("enqueue", "status", "scan", "bare_drain", "drain"):
+                name = f"scale_{kind}_{first}" if kind != "status" else f"status_{first}"
+                figs = sorted((run[name] for run in runs), key=lambda f: f.seconds / max(f.jobs, 1))
+                median = figs[len(figs) // 2]
+                spread = ", ".join(f"{f.seconds / max(f.jobs, 1) * 1e6:.0f}" if f.jobs else f"{f.seconds * 1000:.0f} ms"
+                                   for f in (run[name] for run in runs))
+                median.note += (f"; median of {len(runs)} runs, {before} before the larger sizes and "
+                                f"{len(runs) - before} after ({'us per job: ' if median.jobs else ''}{spread})")
+                median.extra["runs"] = len(runs)
+                self.add(median)
         for kind in ("enqueue", "bare_drain", "drain"):
             base = self.figures[f"scale_{kind}_{first}"]
             for size in sizes[1:]:
                 fig = self.figures[f"scale_{kind}_{_short(size)}"]
                 fig.extra["cost_ratio"] = round(fig.us_per_job / base.us_per_job, 3)
                 fig.note += f"; per-job cost {fig.us_per_job / base.us_per_job:.2f}x of {first}"
+
+    def _scale_at(self, size: int, with_history: bool) -> dict[str, Figure]:
+        """One measurement of the scale section at one queue size, in a
+        fresh spool; returns its figures by name."""
+        spool = self.fresh_spool(f"scale-{size}")
+        tail = min(1000, size)
+        for start in range(0, size - tail, 10000):
+            spool.enqueue_many([{"kind": "noop"}] * min(10000, size - tail - start))
+        t0 = time.perf_counter()
+        for _ in range(tail):
+            spool.enqueue(kind="noop")
+        enq = time.perf_counter() - t0
+        label = _short(size)
+        figs = [self.add(Figure(f"scale_enqueue_{label}", tail, enq, note=f"Spool.enqueue with {size - tail:,} already waiting"))]
+        figs.append(self.status_time(spool, label))
+        t0 = time.perf_counter()
+        from .worker import SCAN_LIMIT
+
+        spool.dir.scan(time.time_ns(), SCAN_LIMIT)
+        scan = time.perf_counter() - t0
+        figs.append(self.add(Figure(f"scale_scan_{label}", size, scan, kind="time",
+                                    note=f"one pass over new/ with {size:,} files (scandir + lstat, keep the first "
+                                         f"{SCAN_LIMIT // 1000}k): {scan * 1000:.0f} ms, {scan / size * 1e6:.1f} us per file")))
+        # The bare system calls of a drain, on the first tenth (at least
+        # 100, at most half) of these very files: what this filesystem
+        # itself costs at this size. Its second rename goes to a folder
+        # of its own, not to done/.
+        bare = self.bare_drain(spool, max(size // 10, min(100, size // 2)), f"scale_bare_drain_{label}")
+        figs.append(bare)
+        # Timed inside its process: no start-up to subtract, which on a
+        # noisy host could leave a short drain with a negative time.
+        _, outputs = _run_together([[sys.executable, "-c", _WORKER_DRAIN, spool.path]])
+        ran, drain, rss_kb = outputs[0].split()
+        rss_mb = int(rss_kb) / 1024
+        fig = self.add(Figure(f"scale_drain_{label}", int(ran), float(drain),
+                              note=f"a worker (Spool.work, as `spoolq work --app` runs it) draining {int(ran):,} "
+                                   f"no-op handler jobs; its peak RSS {rss_mb:.0f} MB"))
+        fig.extra["peak_rss_mb"] = round(rss_mb, 1)
+        figs.append(fig)
+        if with_history:
+            self.history_at(spool, size - bare.jobs)
+        return {f.name: f for f in figs}
 
     def history_at(self, spool: Spool, finished: int) -> None:
         """With ``finished`` jobs in done/: compact them (rate), then put
@@ -534,6 +562,11 @@ def _noop(payload: Any) -> None:
     return None
 
 
+# The smallest size of the scale section, when larger ones follow and it has
+# at most this many jobs, is measured this many times (half before them).
+SCALE_REPEAT_UP_TO = 10_000
+SCALE_BASELINE_RUNS = 5
+
 SECTIONS = ("enqueue", "drain", "true", "latency", "sqlite", "status", "scale", "history", "used")
 NOOP_HANDLERS = {"noop": lambda payload: None}  # for `spoolq work --app spoolq.bench:NOOP_HANDLERS`
 
@@ -542,7 +575,7 @@ NOOP_HANDLERS = {"noop": lambda payload: None}  # for `spoolq work --app spoolq.
 # drain: the interpreter's start-up is never counted, and figures of several
 # workers start them all at once. Prints "<jobs run> <seconds>".
 _WORKER_DRAIN = """
-import sys, time
+import resource, sys, time
 from spoolq import Spool
 from spoolq.bench import NOOP_HANDLERS
 spool = Spool(sys.argv[1])
@@ -551,7 +584,8 @@ print("ready", flush=True)
 sys.stdin.readline()
 start = time.perf_counter()
 ran = spool.work(handlers=NOOP_HANDLERS, signals=False)
-print(ran, time.perf_counter() - start)
+seconds = time.perf_counter() - start
+print(ran, seconds, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 """
 _SQLITE_WORKER = """
 import sqlite3, sys

@@ -49,6 +49,9 @@ def test_bench_scale_reports_the_bare_drain_next_to_the_drain_at_each_size(fast_
     for kind in ("enqueue", "bare_drain", "drain"):
         assert figures[f"scale_{kind}_2k"]["cost_ratio"] > 0, kind
     assert figures["scale_drain_2k"]["peak_rss_mb"] > 0
+    # The smallest size, a fraction of a second, is the median of runs before and after the larger sizes.
+    assert figures["scale_drain_200"]["runs"] == 5 and "runs" not in figures["scale_drain_2k"]
+    assert "median of 5 runs, 3 before the larger sizes and 2 after" in figures["scale_drain_200"]["note"]
 
 
 def test_bench_refuses_scale_sizes_it_cannot_split(fast_spool):
