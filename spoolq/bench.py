@@ -92,28 +92,37 @@ class Bench:
     # -- baselines ---------------------------------------------------------
 
     def bare_enqueue(self, n: int, name: str = "bare_enqueue") -> Figure:
-        """tmp write (+ fsync) + rename (+ folder fsync): the floor of an enqueue."""
+        """tmp write (+ fsync) + rename (+ folder fsync): the floor of an
+        enqueue, in folders of its own."""
         base = os.path.join(self.root, name)
         os.makedirs(os.path.join(base, "tmp"))
         os.makedirs(os.path.join(base, "new"))
+        seconds = self._bare_enqueue_loop("bare enqueue", base, range(n))
+        return self.add(Figure(name, n, seconds, note="tmp write + rename" + (" + fsyncs" if self.fsync else "")))
+
+    def _bare_enqueue_loop(self, label: str, base: str, numbers: range) -> float:
+        """Time the bare enqueue of one file per number, into ``base``/tmp
+        and then ``base``/new."""
         new_fd = os.open(os.path.join(base, "new"), os.O_RDONLY | os.O_DIRECTORY)
         data = b'{"command": "true", "id": "x", "state": "new", "attempts": 0, "created_at": "2026-01-01T00:00:00.000000Z"}\n'
         fsync = self.fsync
+        first = numbers.start
 
         def body(i: int) -> None:
-            tmp = os.path.join(base, "tmp", f"{i}")
+            tmp = os.path.join(base, "tmp", f"bare-{first + i}")
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             os.write(fd, data)
             if fsync:
                 os.fsync(fd)
             os.close(fd)
-            os.rename(tmp, os.path.join(base, "new", f"{i}.json"))
+            os.rename(tmp, os.path.join(base, "new", f"bare-{first + i}.json"))
             if fsync:
                 os.fsync(new_fd)
 
-        seconds = self.loop("bare enqueue", n, body)
-        os.close(new_fd)
-        return self.add(Figure(name, n, seconds, note="tmp write + rename" + (" + fsyncs" if fsync else "")))
+        try:
+            return self.loop(label, len(numbers), body)
+        finally:
+            os.close(new_fd)
 
     def bare_claim(self, n: int) -> Figure:
         """rename new -> cur + unlink: the floor of taking a job."""
@@ -165,8 +174,19 @@ class Bench:
     # -- spoolq ------------------------------------------------------------
 
     def enqueue_inprocess(self, n: int) -> Figure:
+        """Spool.enqueue next to the bare loop, both creating their files in
+        the same folders (a fresh spool's tmp/ and new/), the bare loop's
+        halves before and after: on ext4, where a file's inode comes from
+        its folder's block group, creating files is 5-10 times slower for
+        minutes in a group where many were deleted, so folders of their own
+        could put the two sides in different states."""
         spool = self.fresh_spool("enqueue")
+        half = range(n // 2)
+        bare = self._bare_enqueue_loop("bare enqueue", spool.path, half)
         seconds = self.loop("enqueue", n, lambda i: spool.enqueue(command="true"))
+        bare += self._bare_enqueue_loop("bare enqueue", spool.path, range(len(half), n))
+        self.add(Figure("bare_enqueue", n, bare, note="tmp write + rename" + (" + fsyncs" if self.fsync else "")
+                        + ", in the folders of the enqueue below, half before it and half after"))
         return self.add(Figure("enqueue", n, seconds, baseline="bare_enqueue", note="Spool.enqueue, one job at a time"))
 
     def enqueue_many(self, n: int, batch: int = 1000) -> Figure:
@@ -676,8 +696,7 @@ def run(spool_path: str, jobs: int, fsync: bool, sections: tuple[str, ...] = SEC
     try:
         bench.say(f"scratch spool {root}, fsync {'on' if fsync else 'off'}, {jobs:,} jobs")
         if "enqueue" in sections:
-            bench.bare_enqueue(jobs)
-            bench.enqueue_inprocess(jobs)
+            bench.enqueue_inprocess(jobs)  # and the bare loop beside it
             bench.enqueue_many(jobs)
             bench.enqueue_jsonl(jobs)
         if "drain" in sections:

@@ -18,6 +18,8 @@ def test_bench_reports_figures_with_baselines_and_cleans_up(fast_spool):
                  "sqlite_full_drain", "sqlite_normal_drain_2w"):
         assert figures[name]["jobs"] > 0 and figures[name]["jobs_per_s"] > 0, name
     assert figures["enqueue"]["baseline"] == "bare_enqueue" and figures["enqueue"]["ratio"] > 0
+    # The bare loop creates its files in the enqueue's own folders, around it.
+    assert figures["bare_enqueue"]["jobs"] == 1000 and "half before it and half after" in figures["bare_enqueue"]["note"]
     assert "vs_sqlite_normal_drain" in figures["drain_handlers"]
     # Two worker processes share the jobs of one spool, and one SQLite table, between them.
     assert figures["drain_handlers_2w"]["jobs"] == 1000 and figures["sqlite_normal_drain_2w"]["jobs"] == 1000
