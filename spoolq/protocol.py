@@ -18,6 +18,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import gc
+import itertools
 import os
 import re
 import stat
@@ -112,14 +113,26 @@ def _after_fork_in_parent() -> None:
 
 
 def _after_fork_in_child() -> None:
-    global _fd_lock
+    global _fd_lock, _writer_tag
     _fd_lock = threading.Lock()
+    _writer_tag = _new_writer_tag()
     for fd in list(_held_fds):
         try:
             os.close(fd)
         except OSError:
             pass
     _held_fds.clear()
+
+
+def _new_writer_tag() -> str:
+    """This process in the names it writes under: its pid and a random
+    token, drawn once per process (and again in a forked child), so that a
+    recycled pid never meets the names a crashed process left behind."""
+    return f"{os.getpid()}.{os.urandom(3).hex()}"
+
+
+_writer_tag = _new_writer_tag()
+_name_seq = itertools.count(1)  # next() is atomic under the GIL: no lock
 
 
 os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
@@ -301,7 +314,6 @@ class SpoolDir:
         self._fds: dict[str, int] = {}
         self._open_lock = threading.Lock()
         self.shared = False  # a group-shared spool: files 0660, folders 0770+setgid
-        self._seq = 0
         self._spares: list[tuple[str, int]] = []  # locked dot-files in cur/ to rewrite into
         self._retired: list[tuple[str, int]] = []  # old inodes waiting for a sync before reuse
         # Each is an open descriptor: kept to a sixteenth and a quarter of the
@@ -584,11 +596,9 @@ class SpoolDir:
         return bool(self._unsynced_dst or self._unsynced_src or self._retired)
 
     def tmp_name(self, base: str) -> str:
-        """A name in tmp/ that no other writer uses."""
-        with self._open_lock:
-            self._seq += 1
-            seq = self._seq
-        return f"{base}.{os.getpid()}.{seq}.{os.urandom(3).hex()}"
+        """A name in tmp/ that no other writer uses: this process's tag and
+        a number it never gave before (no system call: an enqueue makes one)."""
+        return f"{base}.{_writer_tag}.{next(_name_seq)}"
 
     # -- enqueue -----------------------------------------------------------
 
@@ -1243,7 +1253,12 @@ def kind_of(mode: int) -> str:
 
 
 def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
+    n = os.write(fd, data)
+    if n == len(data):
+        return  # the usual case: a job file is small
+    if n <= 0:
+        raise OSError(errno.EIO, "write returned no progress")
+    view = memoryview(data)[n:]
     while view:
         n = os.write(fd, view)
         if n <= 0:
@@ -1252,8 +1267,12 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 def _write_all_at(fd: int, data: bytes) -> None:
+    pos = os.pwrite(fd, data, 0)
+    if pos == len(data):
+        return  # the usual case: a record is small
+    if pos <= 0:
+        raise OSError(errno.EIO, "write returned no progress")
     view = memoryview(data)
-    pos = 0
     while pos < len(data):
         n = os.pwrite(fd, view[pos:], pos)
         if n <= 0:
