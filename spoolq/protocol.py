@@ -128,7 +128,7 @@ def _new_writer_tag() -> str:
     """This process in the names it writes under: its pid and a random
     token, drawn once per process (and again in a forked child), so that a
     recycled pid never meets the names a crashed process left behind."""
-    return f"{os.getpid()}.{os.urandom(3).hex()}"
+    return f"{os.getpid()}.{os.urandom(6).hex()}"
 
 
 _writer_tag = _new_writer_tag()

@@ -187,6 +187,37 @@ def test_cli_and_api_on_one_spool_from_two_processes(tmp_path):
     assert q.get(out)["result"] == 81
 
 
+def test_a_forked_process_writes_under_tmp_names_of_its_own(q):
+    """A program that forks after using a spool (a pre-fork web server, a
+    multiprocessing pool) goes on from both sides: the child names its
+    tmp/ and dot-files after itself, not after the parent it was copied
+    from, and both sides' enqueues all land."""
+    q.enqueue(command="true")  # the parent has written before the fork
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(read_end)
+            os.write(write_end, q.dir.tmp_name("spare").encode())  # a name that is not a job's
+            os.close(write_end)
+            for _ in range(300):
+                q.enqueue(command="true")
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as pipe:
+        childs = pipe.read().decode()
+    mine = q.dir.tmp_name("spare")
+    for _ in range(300):
+        q.enqueue(command="true")
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert childs != mine and childs.split(".")[1] == str(pid) and mine.split(".")[1] == str(os.getpid())
+    assert q.status()["new"] == 601 and os.listdir(os.path.join(q.path, "tmp")) == []
+
+
 def test_work_with_several_jobs_and_limits(q):
     import threading
 
