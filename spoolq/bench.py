@@ -53,6 +53,7 @@ class Bench:
         self.progress = progress
         self.figures: dict[str, Figure] = {}
         self._n = 0
+        self._history_spool: tuple[Spool, int] | None = None  # the last scale spool (see scale)
 
     # -- helpers -----------------------------------------------------------
 
@@ -377,8 +378,9 @@ class Bench:
         return self.add(Figure(f"sqlite_{tag}_drain_2w", n, seconds,
                                note=f"SQLite-table queue, synchronous={synchronous}: two worker processes at once"))
 
-    def status_time(self, spool: Spool, label: str) -> Figure:
-        """`spoolq status --json` on a spool (the whole command, cold)."""
+    def status_time(self, spool: Spool, label: str, name: str | None = None) -> Figure:
+        """`spoolq status --json` on a spool (the whole command, cold), as
+        figure ``name`` (default status_LABEL)."""
         times = []
         for _ in range(3):
             start = time.perf_counter()
@@ -386,7 +388,7 @@ class Bench:
             times.append(time.perf_counter() - start)
         st = spool.status()
         waiting = st["new"] + st["failed"]
-        fig = Figure(f"status_{label}", 0, min(times), kind="time",
+        fig = Figure(name or f"status_{label}", 0, min(times), kind="time",
                      note=f"spoolq status --json, {waiting:,} waiting, {st['compacted']:,} compacted: {min(times) * 1000:.0f} ms")
         fig.extra.update(ms=round(min(times) * 1000, 1), waiting=waiting, compacted=st["compacted"])
         return self.add(fig)
@@ -422,16 +424,20 @@ class Bench:
         sizes follow, the smallest (if at most SCALE_REPEAT_UP_TO jobs) is
         measured SCALE_BASELINE_RUNS times, some before the larger sizes and
         the rest after them, and its figures are the medians."""
+        sizes = tuple(sorted(set(sizes)))
         first = _short(sizes[0])
         repeat = len(sizes) > 1 and sizes[0] <= SCALE_REPEAT_UP_TO
         before = (SCALE_BASELINE_RUNS + 1) // 2 if repeat else 1
-        runs = [self._scale_at(sizes[0], with_history and len(sizes) == 1) for _ in range(before)]
+        history: tuple[Spool, int] | None = None
+        runs = [self._scale_at(sizes[0]) for _ in range(before)]
         for size in sizes[1:]:
-            self._scale_at(size, with_history and size == sizes[-1])
+            self._scale_at(size)
+        if with_history:
+            history = self._history_spool
         if repeat:
-            runs += [self._scale_at(sizes[0], False) for _ in range(SCALE_BASELINE_RUNS - before)]
+            runs += [self._scale_at(sizes[0]) for _ in range(SCALE_BASELINE_RUNS - before)]
             for kind in ("enqueue", "status", "scan", "bare_drain", "drain"):
-                name = f"scale_{kind}_{first}" if kind != "status" else f"status_{first}"
+                name = f"scale_{kind}_{first}"
                 figs = sorted((run[name] for run in runs), key=lambda f: f.seconds / max(f.jobs, 1))
                 median = figs[len(figs) // 2]
                 spread = ", ".join(f"{f.seconds / max(f.jobs, 1) * 1e6:.0f}" if f.jobs else f"{f.seconds * 1000:.0f} ms"
@@ -440,6 +446,10 @@ class Bench:
                                 f"{len(runs) - before} after ({'us per job: ' if median.jobs else ''}{spread})")
                 median.extra["runs"] = len(runs)
                 self.add(median)
+        # The history section deletes most of the largest spool's files,
+        # which slows creates for minutes: it comes after the runs above.
+        if history is not None:
+            self.history_at(*history)
         for kind in ("enqueue", "bare_drain", "drain"):
             base = self.figures[f"scale_{kind}_{first}"]
             for size in sizes[1:]:
@@ -447,9 +457,10 @@ class Bench:
                 fig.extra["cost_ratio"] = round(fig.us_per_job / base.us_per_job, 3)
                 fig.note += f"; per-job cost {fig.us_per_job / base.us_per_job:.2f}x of {first}"
 
-    def _scale_at(self, size: int, with_history: bool) -> dict[str, Figure]:
+    def _scale_at(self, size: int) -> dict[str, Figure]:
         """One measurement of the scale section at one queue size, in a
-        fresh spool; returns its figures by name."""
+        fresh spool; returns its figures by name (the spool, and how many of
+        its jobs the worker finished, are kept for the history section)."""
         spool = self.fresh_spool(f"scale-{size}")
         tail = min(1000, size)
         for start in range(0, size - tail, 10000):
@@ -460,7 +471,7 @@ class Bench:
         enq = time.perf_counter() - t0
         label = _short(size)
         figs = [self.add(Figure(f"scale_enqueue_{label}", tail, enq, note=f"Spool.enqueue with {size - tail:,} already waiting"))]
-        figs.append(self.status_time(spool, label))
+        figs.append(self.status_time(spool, label, name=f"scale_status_{label}"))
         t0 = time.perf_counter()
         from .worker import SCAN_LIMIT
 
@@ -485,8 +496,7 @@ class Bench:
                                    f"no-op handler jobs; its peak RSS {rss_mb:.0f} MB"))
         fig.extra["peak_rss_mb"] = round(rss_mb, 1)
         figs.append(fig)
-        if with_history:
-            self.history_at(spool, size - bare.jobs)
+        self._history_spool = (spool, size - bare.jobs)
         return {f.name: f for f in figs}
 
     def history_at(self, spool: Spool, finished: int) -> None:

@@ -115,13 +115,13 @@ def _after_fork_in_parent() -> None:
 def _after_fork_in_child() -> None:
     global _fd_lock, _writer_tag
     _fd_lock = threading.Lock()
-    _writer_tag = _new_writer_tag()
     for fd in list(_held_fds):
         try:
             os.close(fd)
         except OSError:
             pass
     _held_fds.clear()
+    _writer_tag = _new_writer_tag()  # last: the locks are let go whatever happens here
 
 
 def _new_writer_tag() -> str:

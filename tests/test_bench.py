@@ -43,7 +43,8 @@ def test_bench_true_section_drains_whole_commands_beside_the_bare_loop(fast_spoo
 
 def test_bench_scale_reports_the_bare_drain_next_to_the_drain_at_each_size(fast_spool):
     s = fast_spool
-    proc = s.run("bench", "--no-fsync", "--section", "scale", "--scale", "200,2000", "--json", timeout=600)
+    # In any order, repeated or not, the smallest size is the baseline.
+    proc = s.run("bench", "--no-fsync", "--section", "scale", "--scale", "2000,200,200", "--json", timeout=600)
     figures = json.loads(proc.stdout)["figures"]
     # A tenth (at least 100) of each size goes through the bare system calls, the rest through spoolq work.
     assert figures["scale_bare_drain_200"]["jobs"] == 100 and figures["scale_drain_200"]["jobs"] == 100
@@ -53,6 +54,7 @@ def test_bench_scale_reports_the_bare_drain_next_to_the_drain_at_each_size(fast_
     assert figures["scale_drain_2k"]["peak_rss_mb"] > 0
     # The smallest size, a fraction of a second, is the median of runs before and after the larger sizes.
     assert figures["scale_drain_200"]["runs"] == 5 and "runs" not in figures["scale_drain_2k"]
+    assert figures["scale_status_200"]["runs"] == 5 and figures["scale_status_2k"]["waiting"] == 2000
     assert "median of 5 runs, 3 before the larger sizes and 2 after" in figures["scale_drain_200"]["note"]
 
 
