@@ -604,10 +604,28 @@ NOOP_HANDLERS = {"noop": lambda payload: None}  # for `spoolq work --app spoolq.
 # imported and with the spool open, until told to go, then times its own
 # drain: the interpreter's start-up is never counted, and figures of several
 # workers start them all at once. Prints "<jobs run> <seconds>".
+def peak_rss_kb() -> int:
+    """This process's own peak resident memory, in KiB. Linux's ru_maxrss
+    also counts the memory of the process it was forked from, up to the
+    exec (a drain started by a bench that had just scanned a million files
+    would report the bench's size), so the memory map's high-water mark
+    (VmHWM, reset by exec) is read where there is one."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
 _WORKER_DRAIN = """
-import resource, sys, time
+import sys, time
 from spoolq import Spool
-from spoolq.bench import NOOP_HANDLERS
+from spoolq.bench import NOOP_HANDLERS, peak_rss_kb
 spool = Spool(sys.argv[1])
 spool.settings  # reads config.json: the spool is open
 print("ready", flush=True)
@@ -615,7 +633,7 @@ sys.stdin.readline()
 start = time.perf_counter()
 ran = spool.work(handlers=NOOP_HANDLERS, signals=False)
 seconds = time.perf_counter() - start
-print(ran, seconds, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+print(ran, seconds, peak_rss_kb())
 """
 _SQLITE_WORKER = """
 import sqlite3, sys

@@ -77,3 +77,17 @@ def test_bench_on_a_file_says_so_in_one_line(tmp_path):
     assert proc.returncode == 1
     assert proc.stderr == f"spoolq: {path} exists and is not a directory\n"
     assert path.read_text() == "x"
+
+
+def test_a_drains_peak_memory_is_its_own_not_the_bench_that_started_it():
+    """Linux's ru_maxrss counts the memory of the process a child was forked
+    from: a drain started by a bench holding 150 MB would report 150 MB."""
+    import sys
+
+    held = bytearray(150 * 1024 * 1024)
+    held[::4096] = b"\1" * len(held[::4096])  # touched: resident
+    code = "from spoolq.bench import peak_rss_kb; print(peak_rss_kb())"
+    child_kb = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    assert 0 < child_kb < 100 * 1024, child_kb
+    del held
+
