@@ -600,10 +600,7 @@ SCALE_BASELINE_RUNS = 5
 SECTIONS = ("enqueue", "drain", "true", "latency", "sqlite", "status", "scale", "history", "used")
 NOOP_HANDLERS = {"noop": lambda payload: None}  # for `spoolq work --app spoolq.bench:NOOP_HANDLERS`
 
-# A whole worker in a process of its own (for its peak RSS) that waits,
-# imported and with the spool open, until told to go, then times its own
-# drain: the interpreter's start-up is never counted, and figures of several
-# workers start them all at once. Prints "<jobs run> <seconds>".
+
 def peak_rss_kb() -> int:
     """This process's own peak resident memory, in KiB. Linux's ru_maxrss
     also counts the memory of the process it was forked from, up to the
@@ -622,6 +619,10 @@ def peak_rss_kb() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
+# A whole worker in a process of its own (for its peak RSS) that waits,
+# imported and with the spool open, until told to go, then times its own
+# drain: the interpreter's start-up is never counted, and figures of several
+# workers start them all at once. Prints "<jobs run> <seconds> <peak KiB>".
 _WORKER_DRAIN = """
 import sys, time
 from spoolq import Spool
