@@ -90,4 +90,3 @@ def test_a_drains_peak_memory_is_its_own_not_the_bench_that_started_it():
     child_kb = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
     assert 0 < child_kb < 100 * 1024, child_kb
     del held
-
