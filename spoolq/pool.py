@@ -26,12 +26,11 @@ import signal
 import sys
 from typing import Any, Callable
 
-from .procs import HANDLED_SIGNALS
+from .procs import DIRECT_SIGNALS, HANDLED_SIGNALS
 from .runner import die_with_parent
 from .worker import RELAYED_SIGNALS, Log, Worker
 
-PASSED_ON = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-ALL_HANDLED = HANDLED_SIGNALS  # what a worker process handles: PASSED_ON and RELAYED_SIGNALS
+PASSED_ON = DIRECT_SIGNALS  # a worker process handles these and RELAYED_SIGNALS: HANDLED_SIGNALS
 # Blocked in the parent for the whole run and taken with sigtimedwait: a
 # handler runs only once Python runs again, and a signal that came just
 # before the parent went to sleep in waitid() was handled by nobody until
@@ -167,9 +166,9 @@ def _worker_process(make_spool, handlers, share, max_time, watch, poll, log, par
                         watch=watch, poll=poll, log=log, relayed=True, processes=processes)
         # Until run() puts them in place (the same ones). SIGCHLD was
         # blocked for the parent's sake only.
-        for sig in ALL_HANDLED:
+        for sig in HANDLED_SIGNALS:
             signal.signal(sig, worker._on_signal)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, ALL_HANDLED + (signal.SIGCHLD,))
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, HANDLED_SIGNALS + (signal.SIGCHLD,))
         die_with_parent(signal.SIGUSR1)  # stop claiming when the command dies
         if os.getppid() != parent:  # the parent died before that took hold
             worker.stop()

@@ -20,8 +20,11 @@ from typing import Iterator
 
 _boot_id: str | None = None
 
-# What a worker handles: stop, stop now, reload, and a pool's relayed stops.
-HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+# What a worker handles: stop (TERM, INT) and reload (HUP) sent to it, and
+# stop and stop now (USR1, USR2) relayed by the parent of a worker pool.
+DIRECT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+RELAYED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
+HANDLED_SIGNALS = DIRECT_SIGNALS + RELAYED_SIGNALS
 
 
 @contextlib.contextmanager

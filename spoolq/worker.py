@@ -63,7 +63,7 @@ COMPACT_CHECK_JOBS = 1000  # count done/ for auto-compaction after this many job
 COMPACT_CHECK_SECONDS = 60.0  # ... or this long
 READ_AHEAD = 256  # a pass whose files went cold is read ahead by up to this many files ...
 PROBE_CLAIMS = 64  # ... once an eighth of this many claims in a row waited for the disk
-RELAYED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)  # stop, stop now: from the parent of a worker pool
+RELAYED_SIGNALS = procs.RELAYED_SIGNALS  # stop, stop now: from the parent of a worker pool
 
 
 class ForcedStop(BaseException):
@@ -366,7 +366,7 @@ class Worker:
         self.registration.start_flusher()
         old_handlers = {}
         if self.signals and threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP) + (RELAYED_SIGNALS if self.relayed else ()):
+            for sig in procs.DIRECT_SIGNALS + (RELAYED_SIGNALS if self.relayed else ()):
                 old_handlers[sig] = signal.signal(sig, self._on_signal)
         threads: list[threading.Thread] = []
         try:
