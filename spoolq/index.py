@@ -13,6 +13,7 @@ The index is history only: it never decides where a waiting job is.
 
 from __future__ import annotations
 
+import base64
 import errno
 import json
 import sqlite3
@@ -68,6 +69,32 @@ JOB_COLUMNS = ("id", "state", "outcome", "kind", "command", "argv", "target", "a
 RUN_COLUMNS = ("job_id", "attempt", "target", "worker", "due", "start", "end", "wait", "duration", "exit_code", "error")
 
 
+_SQL_INT = range(-(1 << 63), 1 << 63)
+
+
+def _sql(value: Any) -> Any:
+    """``value`` as SQLite can bind it. A string that is not valid UTF-8 (a
+    lone surrogate, from a ``\\udcff`` escape in a record or a file name that
+    is not UTF-8) gets those characters as ``\\udcff`` escapes: in the
+    ``record`` column that is the same JSON, elsewhere a stable spelling that
+    lookups use too. An integer beyond 64 bits becomes NULL (the record column
+    keeps it exactly). Either would otherwise stop every compaction."""
+    if value.__class__ is str:
+        if value.isascii():
+            return value
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    elif value.__class__ is int and value not in _SQL_INT:
+        return None
+    return value
+
+
+def _sql_row(row: tuple) -> tuple:
+    return tuple(map(_sql, row))
+
+
 def _time(value: Any) -> float | None:
     if value is None:
         return None
@@ -80,7 +107,7 @@ def _time(value: Any) -> float | None:
 def job_row(job: dict, state: str, finished_at: float) -> tuple:
     argv = job.get("argv")
     history = job.get("history") if isinstance(job.get("history"), list) else []
-    return (
+    return _sql_row((
         job["id"], state, job.get("outcome") if state == "done" else None,
         job.get("kind") if isinstance(job.get("kind"), str) else None,
         job.get("command") if isinstance(job.get("command"), str) else None,
@@ -93,7 +120,7 @@ def job_row(job: dict, state: str, finished_at: float) -> tuple:
         _time(job.get("created_at")),
         finished_at,
         json.dumps(job, ensure_ascii=False),
-    )
+    ))
 
 
 def run_rows(job: dict) -> list[tuple]:
@@ -104,7 +131,7 @@ def run_rows(job: dict) -> list[tuple]:
         if not isinstance(h, dict):
             continue
         due, start, end = _time(h.get("due")), _time(h.get("start")), _time(h.get("end"))
-        rows.append((
+        rows.append(_sql_row((
             job["id"], h.get("attempt") if isinstance(h.get("attempt"), int) else i + 1, target,
             h.get("worker") if isinstance(h.get("worker"), str) else None,
             due, start, end,
@@ -112,7 +139,7 @@ def run_rows(job: dict) -> list[tuple]:
             max(0.0, end - start) if end is not None and start is not None else None,
             h.get("exit_code") if isinstance(h.get("exit_code"), int) else None,
             h.get("error") if isinstance(h.get("error"), str) else None,
-        ))
+        )))
     return rows
 
 
@@ -144,10 +171,10 @@ class Index:
     # -- reading -----------------------------------------------------------
 
     def has(self, job_id: str) -> bool:
-        return self.db.execute("SELECT 1 FROM jobs WHERE id = ?", (job_id,)).fetchone() is not None
+        return self.db.execute("SELECT 1 FROM jobs WHERE id = ?", (_sql(job_id),)).fetchone() is not None
 
     def get(self, job_id: str) -> dict | None:
-        row = self.db.execute("SELECT record, state FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        row = self.db.execute("SELECT record, state FROM jobs WHERE id = ?", (_sql(job_id),)).fetchone()
         if row is None:
             return None
         job = json.loads(row[0])
@@ -192,7 +219,7 @@ class Index:
         try:
             for job, state, finished_at in jobs:
                 if db.execute(insert_job, job_row(job, state, finished_at)).rowcount == 0:
-                    existing = db.execute("SELECT record FROM jobs WHERE id = ?", (job["id"],)).fetchone()
+                    existing = db.execute("SELECT record FROM jobs WHERE id = ?", (_sql(job["id"]),)).fetchone()
                     if existing is not None and json.loads(existing[0]) == job:
                         stored.append(job["id"])  # stored by a compaction that crashed after its commit
                         continue
@@ -275,13 +302,12 @@ def fold(spool: SpoolDir, index: Index, folder: str, names: list[str], settings:
                 pos += 1
                 try:
                     job = check(ctx, held.st, held.read, name)
-                except (record.InvalidJob, OSError):
+                except (record.InvalidJob, OSError) as e:
                     if folder != "dead":  # only a deliberate purge takes invalid files
                         held.release()
                         left += 1
                         continue
-                    raw = held.read(int(settings["max_job_bytes"]))
-                    job = {"id": id_of(name), "invalid": True, "raw": raw.decode("utf-8", "replace")}
+                    job = _invalid_record(name, held, e, int(settings["max_job_bytes"]))
                 held_batch.append(held)
                 finished = _time(job.get("finished_at")) or held.st.st_mtime
                 rows.append((job, "done" if folder == "done" else "dead", finished))
@@ -296,6 +322,26 @@ def fold(spool: SpoolDir, index: Index, folder: str, names: list[str], settings:
             for held in held_batch:
                 held.release()
     return folded, left
+
+
+def _invalid_record(name: str, held: Any, problem: Exception, limit: int) -> dict:
+    """What the index keeps of a dead file that is no valid job: why it is
+    invalid and its bytes exactly (``raw`` when they are UTF-8, else
+    ``raw_base64``), the first ``limit`` (max_job_bytes) of them only, with
+    its size, when it is larger."""
+    reason = str(problem) if isinstance(problem, record.InvalidJob) else f"unreadable: {problem}"
+    job: dict[str, Any] = {"id": id_of(name), "invalid": True, "error": reason}
+    try:
+        raw = held.read(limit)
+    except OSError as e:
+        return dict(job, raw_error=f"unreadable: {e.strerror}")
+    try:
+        job["raw"] = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        job["raw_base64"] = base64.b64encode(raw).decode("ascii")
+    if held.size > len(raw):
+        job.update(raw_bytes=held.size, raw_truncated=True)
+    return job
 
 
 def _held_at_once(batch: int) -> int:

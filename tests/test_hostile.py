@@ -3,10 +3,12 @@ of untrusted users, and the permissions of private and shared spools."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import pwd
 import shutil
+import sqlite3
 import stat
 import subprocess
 import sys
@@ -230,6 +232,36 @@ def test_lone_surrogates_and_extreme_numbers_never_stop_the_spool(fast_spool, tm
     for name in ("far-run-at", "far-run-at2", "huge-timeout"):
         assert s.where(name) == ["dead"], name
     assert "run_at" in s.show("far-run-at")["error"] and "timeout" in s.show("huge-timeout")["error"]
+
+
+def test_records_sqlite_cannot_bind_never_stop_compact_stats_or_purge(fast_spool, tmp_path):
+    """Regression (audit): one record with a lone surrogate (a non-UTF-8
+    byte in a command line) or an integer beyond 64 bits, or a dead file
+    whose name is not UTF-8, made compact, stats and purge --dead fail for
+    every job of the spool. Each is stored; the record keeps it exactly."""
+    s = fast_spool
+    s.enqueue("--id", "surrogate", os.fsdecode(b"echo \xff"))
+    s.drop("huge-attempts.json", '{"command": "true", "attempts": 9223372036854775807}')
+    s.enqueue("--id", "plain", "true")
+    bad_name = os.fsdecode(b"caf\xe9.json")
+    s.drop(bad_name, '{"command": "true"}')
+    binary = b"\x00\x01\xff\xfe{not json"
+    s.drop("binary.json", binary)
+    s.work()
+    assert sorted(s.ids("done")) == ["huge-attempts", "plain", "surrogate"]
+    assert json.loads(s.run("compact", "--json").stdout)["folded"] == 3
+    assert s.names("done") == []
+    assert s.show("surrogate")["command"] == os.fsdecode(b"echo \xff") and s.show("surrogate")["compacted"] is True
+    assert s.show("huge-attempts")["attempts"] == 9223372036854775807 + 1
+    assert json.loads(s.run("stats", "--json").stdout)["total"]["succeeded"] == 3
+    assert s.run("purge", "--dead", "--older-than", "0").stdout == "purged 2 dead jobs into index.db, left 0\n"
+    assert s.names("dead") == []
+    kept = s.show("binary")
+    assert base64.b64decode(kept["raw_base64"]) == binary and kept["error"] == "not UTF-8 (byte 2)"
+    with sqlite3.connect(s.path / "index.db") as db:  # an id show refuses: in SQL only
+        (stored,) = db.execute("SELECT record FROM jobs WHERE id LIKE 'caf%'").fetchone()
+    stored = json.loads(stored)
+    assert stored["id"] == bad_name[:-5] and stored["raw"] == '{"command": "true"}' and "bad file name" in stored["error"]
 
 
 def test_a_big_record_does_not_inflate_later_ones(spool):
