@@ -181,6 +181,10 @@ class DeadRegistration:
     def __init__(self, held: Held, info: dict[str, Any]):
         self.held = held
         self.info = info
+        # Set by take_dead when a locked registration names the same worker:
+        # this file is a copy (or a leftover) of a live worker's, whose
+        # processes are not ours to kill.
+        self.worker_alive = False
 
     @property
     def jobs(self) -> dict[str, dict[str, Any]]:
@@ -194,7 +198,7 @@ class DeadRegistration:
         killed = 0
         worker_id = str(self.info.get("worker", ""))
         boot = str(self.info.get("boot_id", ""))
-        if self.info.get("host") != os.uname().nodename:
+        if self.info.get("host") != os.uname().nodename or self.worker_alive:
             return 0
         for entry in self.jobs.values():
             if not isinstance(entry, dict):
@@ -233,6 +237,7 @@ def take_dead(spool: SpoolDir, wait_for: set[str] = frozenset(), patience: float
     seconds for the kernel to finish releasing its locks. A registration
     owned by a user not in ``trusted`` is ignored: it could name any process."""
     taken = []
+    live_ids: set[str] = set()
     try:
         names = sorted(spool.names("workers"))
     except Exception:
@@ -248,6 +253,7 @@ def take_dead(spool: SpoolDir, wait_for: set[str] = frozenset(), patience: float
                 if wait_for and time.monotonic() < deadline and _lists_any(spool, name, wait_for):
                     time.sleep(0.01)
                     continue
+                live_ids.add(_worker_of(spool, name))
                 break
             except OSError as e:
                 if e.errno in (errno.EMFILE, errno.ENFILE):
@@ -270,7 +276,21 @@ def take_dead(spool: SpoolDir, wait_for: set[str] = frozenset(), patience: float
                 info = {}
             taken.append(DeadRegistration(held, info))
             break
+    for reg in taken:
+        reg.worker_alive = str(reg.info.get("worker", "")) in live_ids
     return taken
+
+
+def _worker_of(spool: SpoolDir, name: str) -> str:
+    """The worker id a registration names (its file name if unreadable)."""
+    try:
+        data, _ = spool.read("workers", name, 1 << 20)
+        info = json.loads(data)
+        if isinstance(info, dict) and isinstance(info.get("worker"), str):
+            return info["worker"]
+    except (OSError, ValueError, NotRegular, RecursionError):
+        pass
+    return name[:-5]
 
 
 def _lists_any(spool: SpoolDir, name: str, job_ids: set[str]) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -405,6 +406,26 @@ def test_sweep_leaves_live_workers_alone(fast_spool, tmp_path):
     finally:
         worker.wait(timeout=60)
     assert s.where(job_id) == ["done"]
+
+
+def test_a_copy_of_a_live_workers_registration_gets_none_of_its_processes_killed(fast_spool, tmp_path):
+    """Regression (audit): a copied registration is unlocked, so it looked
+    like a dead worker's, and sweep killed the live worker's running job."""
+    s = fast_spool
+    started, release = tmp_path / "started", tmp_path / "release"
+    job_id = s.enqueue(f"touch {started}; while [ ! -e {release} ]; do sleep 0.05; done")
+    worker = s.popen("work", stderr=subprocess.DEVNULL)
+    try:
+        wait_for(started.exists, what="the job to start")
+        (registration,) = s.names("workers")
+        wait_for(lambda: '"pgid"' in (s.path / "workers" / registration).read_text(), what="the run's process group on record")
+        shutil.copy(s.path / "workers" / registration, s.path / "workers" / "copy.json")
+        assert "killed 0 processes" in s.run("sweep").stdout
+        assert s.where(job_id) == ["cur"]
+        release.touch()
+    finally:
+        worker.wait(timeout=60)
+    assert s.where(job_id) == ["done"] and s.show(job_id)["outcome"] == "succeeded"
 
 
 def test_stale_tmp_files_are_removed_by_sweep(fast_spool):
