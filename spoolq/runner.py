@@ -502,8 +502,10 @@ def _call_into(out: Outcome, handler, job: dict, limits: Limits) -> None:
         out.error, out.stderr = _describe_exception(e, limits.output_limit)
         out.permanent = True
         return
-    except Exception as e:
+    except (Exception, SystemExit) as e:  # sys.exit() in a handler fails the job, not the worker
         out.error, out.stderr = _describe_exception(e, limits.output_limit)
+        if isinstance(e, SystemExit):
+            out.error = f"the handler called sys.exit({e.code!r})"
         return
     try:
         out.result = _json_result(value)

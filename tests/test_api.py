@@ -134,6 +134,23 @@ def test_a_forked_handler_that_crashes_is_a_failure(q):
     assert job["state"] == "dead" and "handler process died" in job["error"]
 
 
+def test_a_handler_that_calls_sys_exit_fails_its_job_not_the_worker(tmp_path):
+    """Regression (audit): SystemExit from an in-process handler ended the
+    worker silently (exit 3), leaving the job in cur/ and the rest unrun."""
+    s = SpoolFixture(tmp_path / "spool")
+    s.run("init")
+    (tmp_path / "exitapp.py").write_text("import sys\nHANDLERS = {'leave': lambda p: sys.exit(3)}\n")
+    inline = s.enqueue("--kind", "leave", "--max-attempts", "1")
+    forked = s.enqueue("--kind", "leave", "--max-attempts", "1", "--timeout", "30")
+    after = s.enqueue("echo still here")
+    proc = s.run("work", "--app", "exitapp:HANDLERS", cwd=str(tmp_path), check=False)
+    assert proc.returncode == 0, proc.stderr
+    for job_id in (inline, forked):
+        job = s.show(job_id)
+        assert job["state"] == "dead" and job["error"] == "the handler called sys.exit(3)", job
+    assert s.show(after)["stdout"] == "still here\n" and s.names("cur") == []
+
+
 def test_cli_worker_runs_handler_command_and_argv_jobs_from_one_spool(tmp_path):
     s = SpoolFixture(tmp_path / "spool")
     s.run("init")
