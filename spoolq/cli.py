@@ -399,11 +399,18 @@ def _retry(ctx, job_ids, all_):
     spool = _existing(ctx)
     if all_ == bool(job_ids):
         fail("give job ids or --all", 2)
-    if all_:
-        for jid in spool.retry_all():
-            echo(_one_line(jid))
-        return
     problems = 0
+    if all_:
+        def report(message: str) -> None:
+            nonlocal problems
+            echo(f"spoolq: {message}", err=True)
+            problems += 1
+
+        for jid in spool.retry_all(on_problem=report):
+            echo(_one_line(jid))
+        if problems:
+            sys.exit(1)
+        return
     for jid in job_ids:
         try:
             spool.retry(jid, check=True)

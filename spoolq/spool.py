@@ -405,12 +405,13 @@ class Spool:
                 raise
             return False
 
-    def retry_all(self) -> list[str]:
-        """Move every dead job back to new/; returns their ids."""
+    def retry_all(self, on_problem: Callable[[str], None] | None = None) -> list[str]:
+        """Move every dead job back to new/; returns their ids. One that
+        cannot go stays in dead/ unchanged; ``on_problem(message)`` says why."""
         from . import transitions
 
         self._open()
-        return transitions.retry_all(self.context())
+        return transitions.retry_all(self.context(), on_problem)
 
     def sweep(self):
         """The recovery step alone: return abandoned jobs from cur/ (killing

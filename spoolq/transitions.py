@@ -524,35 +524,53 @@ def _retry_held(ctx: Context, held: Held) -> None:
         job = check(ctx, held.st, held.read, held.name)
     except InvalidJob:
         job = None  # an invalid file goes back unchanged: its owner may have fixed it
+    target = held.name if job is None else file_name(job["id"])
+    elsewhere = ctx.spool.find((target,), ("new", "cur", "failed", "done"))
+    if elsewhere:
+        raise NotPossible(f"a job {id_of(target)} is already in {elsewhere[0]}/; the dead job stays in dead/")
+    # Moved first, rewritten after: a refused move leaves the dead file as it
+    # was, and a crash in between leaves it in new/ still marked dead, which
+    # a claim takes as a fresh round (as for `mv dead/x.json new/`). Locked
+    # throughout, so no worker runs it before the rewrite.
+    try:
+        held.move("new", target, keep_name=True)
+    except Exists:
+        raise NotPossible(f"new/{target} already exists; the dead job stays in dead/") from None
     if job is not None:
         _clear_run_fields(job)
         job["state"] = "new"
         job["attempts"] = 0
         job["retried_at"] = rfc3339()
         held.rewrite(record.dumps(job))
-    held.set_mtime(time.time_ns())
-    target = held.name if job is None else file_name(job["id"])
-    try:
-        held.move("new", target, keep_name=True)
-    except Exists:
-        raise NotPossible(f"new/{target} already exists; the dead job stays in dead/") from None
+    held.set_mtime(time.time_ns())  # due now
 
 
-def retry_all(ctx: Context) -> list[str]:
-    """Every dead job back to new/; returns the ids moved."""
+def retry_all(ctx: Context, on_problem: Callable[[str], None] | None = None) -> list[str]:
+    """Every dead job back to new/; returns the ids moved. A job that
+    cannot go is left in dead/ unchanged, and ``on_problem(message)`` says why."""
     moved = []
     for name in sorted(ctx.spool.names("dead")):
         try:
             held = ctx.spool.hold("dead", name)
-        except (Busy, Gone, FileNotFoundError, NotRegular, PermissionError):
-            continue
-        try:
-            _retry_held(ctx, held)
-            moved.append(id_of(name))
-        except NotPossible:
-            pass
-        finally:
-            held.release()
+        except (Gone, FileNotFoundError):
+            continue  # moved on meanwhile
+        except Busy:
+            problem = f"dead/{name} is busy (another command holds it); try again"
+        except NotRegular:
+            problem = f"dead/{name} is not a regular file, so not a job to retry; move or remove it by hand"
+        except PermissionError as e:
+            problem = f"dead/{name} cannot be opened: {e.strerror}"
+        else:
+            try:
+                _retry_held(ctx, held)
+                moved.append(id_of(name))
+                continue
+            except NotPossible as e:
+                problem = str(e)
+            finally:
+                held.release()
+        if on_problem:
+            on_problem(problem)
     return moved
 
 

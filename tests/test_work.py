@@ -187,6 +187,30 @@ def test_retry_all_and_exit_codes(fast_spool):
     assert proc.returncode == 1 and "new/" in proc.stderr
 
 
+def test_a_refused_retry_leaves_the_dead_file_as_it_was_and_retry_all_says_so(fast_spool):
+    """Regression (audit): a retry refused because new/ held the name had
+    already rewritten the dead record (its error gone), and retry --all
+    skipped it in silence with exit 0. A retry that would put an id in two
+    folders is refused too."""
+    s = fast_spool
+    blocked, finished, free = (s.enqueue("--id", i, "--max-attempts", "1", "exit 3") for i in ("blocked", "finished", "free"))
+    s.work()
+    assert sorted(s.ids("dead")) == ["blocked", "finished", "free"]
+    s.drop("blocked.json", '{"command": "echo another job"}')
+    shutil.copy(s.path / "dead" / "finished.json", s.path / "done" / "finished.json")
+    before = {n: ((s.path / "dead" / n).read_bytes(), os.stat(s.path / "dead" / n).st_mtime_ns) for n in ("blocked.json", "finished.json")}
+    proc = s.run("retry", "--all", check=False)
+    assert proc.returncode == 1 and proc.stdout == "free\n"
+    assert proc.stderr.splitlines() == ["spoolq: a job blocked is already in new/; the dead job stays in dead/",
+                                        "spoolq: a job finished is already in done/; the dead job stays in dead/"]
+    for name in ("blocked.json", "finished.json"):
+        assert ((s.path / "dead" / name).read_bytes(), os.stat(s.path / "dead" / name).st_mtime_ns) == before[name]
+    proc = s.run("retry", "blocked", check=False)
+    assert proc.returncode == 1 and "already in new/" in proc.stderr
+    assert s.record("dead", "blocked")["error"] == "exit status 3"
+    assert s.where("free") == ["new"] and s.record("new", "free")["attempts"] == 0
+
+
 def test_cancel_waiting_jobs_but_not_running_or_finished(fast_spool):
     s = fast_spool
     waiting = s.enqueue("--in", "1h", "true")
