@@ -8,6 +8,7 @@ Errors are one line on stderr.
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from typing import Any
@@ -15,10 +16,23 @@ from typing import Any
 import click
 
 from . import output, record
-from .output import dumps, echo, fail
+from .output import dumps, echo, fail, one_line
 from .spool import Spool
 
 STATE_CHOICE = click.Choice(["new", "cur", "failed", "dead", "done"])
+
+
+class Seconds(click.FloatRange):
+    """A number of seconds: a FloatRange that also refuses nan and inf
+    (click's lets nan through, since every comparison with it is false)."""
+
+    name = "seconds"
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number of seconds", param, ctx)
+        return number
 
 
 def _duration(ctx, param, value):
@@ -119,7 +133,7 @@ def init(ctx, group):
 @click.option("--jsonl", "jsonl", metavar="FILE", help="One job object per line ('-' reads stdin).")
 @click.option("--id", "job_id", help="The job id (default: a fresh, time-ordered one).")
 @click.option("--max-attempts", type=click.IntRange(min=1), help="Runs before the job goes to dead/.")
-@click.option("--timeout", type=click.FloatRange(min=0), help="Seconds before a run is killed.")
+@click.option("--timeout", type=Seconds(min=0), help="Seconds before a run is killed.")
 @click.option("--in", "delay", callback=_duration, metavar="DURATION", help="Run after this delay (90, 5m, 2h, 7d).")
 @click.option("--at", "at", metavar="TIME", help="Run at this time (RFC 3339 or epoch seconds).")
 @click.option("--env", "env", multiple=True, metavar="K=V", help="Add to the job's environment (repeatable).")
@@ -145,8 +159,12 @@ def enqueue(ctx, args, use_argv, kind, payload, job_json, jsonl, job_id, max_att
         try:
             if isinstance(json.loads(args[0]), dict):
                 job_json, args = args[0], ()
+        except json.JSONDecodeError:
+            pass  # not JSON: a shell command
         except (ValueError, RecursionError):
-            pass
+            # JSON, but too deep or an integer too long for Python to hold:
+            # refused as --json refuses it, never run by sh.
+            job_json, args = args[0], ()
     forms = [bool(args) and not use_argv, use_argv, kind is not None, job_json is not None, jsonl is not None]
     if sum(forms) != 1:
         fail("give exactly one of: a shell command, --argv -- PROG ARG..., --kind K, --json JSON, --jsonl FILE", 2)
@@ -261,7 +279,7 @@ def _read_jsonl(source: str, options: dict[str, Any]):
 @click.option("--max-time", callback=_duration, metavar="DURATION", help="Stop claiming after this long.")
 @click.option("--app", metavar="MODULE:ATTR", help="A mapping of kind to handler function.")
 @click.option("--watch", is_flag=True, help="Keep running and wake on new files.")
-@click.option("--poll", type=click.FloatRange(min=0.01), metavar="SECONDS",
+@click.option("--poll", type=Seconds(min=0.01), metavar="SECONDS",
               help="Watch by rescanning every SECONDS (no inotify; for network filesystems). Implies --watch.")
 @click.option("-q", "--quiet", is_flag=True, help="Log only problems (dead jobs, errors).")
 @click.option("-v", "--verbose", is_flag=True, help="Log scans and claims as well.")
@@ -335,15 +353,7 @@ def _summary(job: dict[str, Any]) -> str:
     line = f"{job['state']:<7} {job['id']:<32} {when:<28} {attempts!s:>3}  {target}"
     if error:
         line += f"  [{error}]"
-    return _one_line(line)
-
-
-def _one_line(text: str) -> str:
-    """``text`` with control characters escaped: a file dropped as
-    ``a<newline>b`` must not split its line in output read line by line."""
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+    return one_line(line)
 
 
 @cli.command(name="list")
@@ -407,14 +417,14 @@ def _retry(ctx, job_ids, all_):
             problems += 1
 
         for jid in spool.retry_all(on_problem=report):
-            echo(_one_line(jid))
+            echo(one_line(jid))
         if problems:
             sys.exit(1)
         return
     for jid in job_ids:
         try:
             spool.retry(jid, check=True)
-            echo(_one_line(jid))
+            echo(one_line(jid))
         except (JobNotFound, NotPossible) as e:
             echo(f"spoolq: {e}", err=True)
             problems += 1

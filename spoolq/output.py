@@ -36,10 +36,20 @@ def dumps(obj: Any, **kw: Any) -> str:
         return json.dumps(obj, ensure_ascii=True, **kw)
 
 
+def one_line(text: str) -> str:
+    """``text`` with control characters (and undecodable bytes) escaped: a
+    file dropped as ``a<newline>b``, or an argument holding a newline or a
+    terminal escape, must not split or colour a line read line by line."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape", "backslashreplace").decode("ascii") for c in text)
+
+
 def fail(message: str, code: int = 1) -> NoReturn:
-    """``spoolq: message`` on stderr, then exit with ``code``."""
+    """``spoolq: message`` on stderr (one line, whatever it quotes), then
+    exit with ``code``."""
     try:
-        echo(f"spoolq: {message}", err=True)
+        echo(f"spoolq: {one_line(message)}", err=True)
     except OSError:
         pass  # stderr is gone too: the exit code is all that is left
     sys.exit(code)

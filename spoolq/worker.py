@@ -30,6 +30,7 @@ import time
 from typing import Any, Callable, TextIO
 
 from . import config, procs, transitions
+from .output import one_line
 from .protocol import Entry
 from .record import rfc3339
 from .registry import Registration
@@ -84,6 +85,7 @@ class Log:
         if level > self.level or self.stream is None:  # None: started with stderr closed
             return
         stamp = rfc3339()[:23] + "Z"
+        text = one_line(text)  # a file name or an error quoted in it may hold any character
         with self._lock:
             try:
                 self.stream.write(f"{stamp} {text}\n")

@@ -414,10 +414,28 @@ def test_an_object_with_a_bad_value_as_the_argument_is_refused_not_run_by_sh(fas
     """Regression (review): `spoolq enqueue '{... NaN}'` fell through to being
     a shell command (exit 0) once the object shortcut parsed strictly."""
     s = fast_spool
-    for text in ('{"command": "echo hi", "payload": {"x": NaN}}', '{"command": "true", "x": 1e999}'):
+    for text in ('{"command": "echo hi", "payload": {"x": NaN}}', '{"command": "true", "x": 1e999}',
+                 '{"command": "true", "p": ' + "[" * 2000 + "]" * 2000 + "}",  # too deep for Python's parser
+                 '{"command": "true", "n": ' + "9" * 5000 + "}"):  # an integer longer than Python reads
         proc = s.run("enqueue", text, check=False)
         assert proc.returncode == 2 and "not valid JSON" in proc.stderr, proc.stderr
     assert s.ids("new") == []
+
+
+def test_errors_and_log_lines_stay_one_line_whatever_they_quote(fast_spool, tmp_path):
+    """Regression (audit): an argument holding a newline split the error
+    into two lines (the second could pose as another message), and a file
+    name's terminal escapes reached the worker log raw. Non-finite seconds
+    are refused (--poll nan made the worker spin)."""
+    s = fast_spool
+    for args in (["enqueue", "--jsonl", "/no/such\nspoolq: fake"], ["work", "--app", "bad\nmod:x"],
+                 ["init", "--group", "no\nsuch"], ["work", "--poll", "nan"], ["work", "--poll", "inf"],
+                 ["enqueue", "--timeout", "nan", "true"]):
+        proc = s.run(*args, check=False, cwd=str(tmp_path))
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and proc.stderr.startswith("spoolq: "), (args, proc.stderr)
+    s.drop("ev\x1b[31mil.json", '{"command": "true"}')
+    log = s.work().stderr
+    assert "\x1b" not in log and "ev\\x1b[31mil.json" in log
 
 
 def test_enqueue_from_a_closed_stdin_is_a_usage_error(fast_spool):
