@@ -396,10 +396,42 @@ def finish(ctx: Context, claimed: Claimed, out: Outcome, worker_id: str, due_now
             due = now + _backoff(ctx, attempt)
     job["state"] = dest
     job["finished_at" if dest != "failed" else "failed_at"] = end
-    if stage and claimed.held.stage(record.dumps(job)):
+    data = _fitted(job, int(ctx.settings["max_job_bytes"]))
+    if stage and claimed.held.stage(data):
         return dest, due
-    _write_and_move(claimed.held, job, dest, due, defer_sync)
+    _write_and_move(claimed.held, job, dest, due, defer_sync, data)
     return dest, due
+
+
+def _fitted(job: dict, limit: int) -> bytes:
+    """The record, trimmed of what runs added until it fits in max_job_bytes:
+    a record spoolq writes must never be one it refuses to read (a job
+    enqueued near the limit would go dead for its own stderr tail). Cut in
+    turn: the output tails (their starts), the result (noted as dropped),
+    the oldest history entries (counted). Only the job's own fields, which
+    fit when it was claimed, are never cut."""
+    data = record.dumps(job)
+    for key in ("stdout", "stderr"):
+        while len(data) > limit and isinstance(job.get(key), str):
+            text = job[key]
+            keep = len(text) - (len(data) - limit) - 256
+            if keep > 0:
+                job[key] = text[-keep:]
+            else:
+                del job[key]
+            data = record.dumps(job)
+    if len(data) > limit and "result" in job:
+        size = len(record.dumps(job["result"]))
+        del job["result"]
+        job["result_dropped"] = f"a result of {size} bytes does not fit in max_job_bytes ({limit})"
+        data = record.dumps(job)
+    history = job.get("history")
+    while len(data) > limit and isinstance(history, list) and len(history) > 1:
+        cut = max(1, (len(history) - 1) // 2)
+        del history[:cut]
+        job["history_dropped"] = int(job.get("history_dropped") or 0) + cut
+        data = record.dumps(job)
+    return data
 
 
 def _backoff(ctx: Context, failures: int) -> float:
@@ -418,8 +450,9 @@ def complete(held: Held, dest: str, due: float | None) -> None:
     held.release()
 
 
-def _write_and_move(held: Held, job: dict, dest: str, due: float | None, defer_sync: bool = False) -> None:
-    held.rewrite(record.dumps(job))
+def _write_and_move(held: Held, job: dict, dest: str, due: float | None, defer_sync: bool = False,
+                    data: bytes | None = None) -> None:
+    held.rewrite(record.dumps(job) if data is None else data)
     if due is not None:
         held.set_mtime(int(due * 1e9))
     held.move(dest, defer_sync=defer_sync)

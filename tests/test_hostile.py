@@ -264,6 +264,33 @@ def test_records_sqlite_cannot_bind_never_stop_compact_stats_or_purge(fast_spool
     assert stored["id"] == bad_name[:-5] and stored["raw"] == '{"command": "true"}' and "bad file name" in stored["error"]
 
 
+def test_a_record_spoolq_writes_never_outgrows_max_job_bytes(fast_spool, tmp_path):
+    """Regression (audit): a job enqueued near max_job_bytes went dead
+    after its first failure ("larger than max_job_bytes") because its
+    stderr tail and history entry pushed the record over; a handler's
+    large result made a done/ record spoolq itself could not read. The run's
+    additions are trimmed to fit: tails first, then the result, then the
+    oldest history entries."""
+    s = fast_spool
+    limit = 20000
+    s.config("max_job_bytes", limit)
+    s.config("backoff_initial", 0)
+    noisy = s.enqueue("--id", "noisy", "--max-attempts", "3", "--payload", json.dumps("p" * 15000),
+                      "head -c 9000 /dev/zero | tr '\\0' e >&2; exit 1")
+    (tmp_path / "bigresult.py").write_text("HANDLERS = {'big': lambda p: 'r' * 50000}\n")
+    big = s.enqueue("--id", "big", "--kind", "big")
+    s.run("work", "--app", "bigresult:HANDLERS", cwd=str(tmp_path))
+    job = s.show(noisy)
+    assert job["state"] == "dead" and job["attempts"] == 3 and job["error"] == "exit status 1", job.get("error")
+    assert len(job["history"]) + int(job.get("history_dropped") or 0) == 3
+    assert job["stderr"] and set(job["stderr"]) == {"e"}  # the tail's end, trimmed
+    assert os.path.getsize(s.path / "dead" / "noisy.json") <= limit
+    done = s.show(big)
+    assert done["state"] == "done" and done["outcome"] == "succeeded" and "result" not in done
+    assert done["result_dropped"] == f"a result of 50003 bytes does not fit in max_job_bytes ({limit})"
+    assert json.loads(s.run("compact", "--json").stdout)["folded"] == 1
+
+
 def test_a_big_record_does_not_inflate_later_ones(spool):
     """Regression (review): a recycled spare file kept the padded size of the
     biggest record it ever held."""
