@@ -261,6 +261,8 @@ def _read_jsonl(source: str, options: dict[str, Any]):
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
                 fail(f"line {lineno}: not UTF-8 (byte {e.start + 1})", 2)
+            if lineno == 1 and line.startswith("\ufeff"):
+                line = line[1:]  # a byte-order mark, as some editors write: accepted as in a job file
             if not line.strip():
                 continue
             try:

@@ -191,6 +191,8 @@ def validate(job: dict, name_id: str | None = None) -> None:
         if not isinstance(env, dict):
             raise InvalidJob("env must be an object of strings")
         for k, v in env.items():
+            if not isinstance(k, str):
+                raise InvalidJob(f"env name {k!r} must be a string, not {type(k).__name__}")
             if not isinstance(v, str):
                 raise InvalidJob(f"env[{k!r}] must be a string, not {type(v).__name__}")
             if not k or "=" in k:

@@ -73,6 +73,8 @@ def test_enqueue_errors(q):
         q.enqueue(command="true", id="unique")
     with pytest.raises(InvalidJob, match="job 2"):
         q.enqueue_many([{"command": "true"}, {"command": 5}])
+    with pytest.raises(InvalidJob, match="env name 1 must be a string"):  # was a bare TypeError (audit)
+        q.enqueue(command="true", env={1: "x"})
     assert q.status()["new"] == 1
 
 

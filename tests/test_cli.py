@@ -79,6 +79,9 @@ def test_enqueue_jsonl_from_file_and_stdin(spool, tmp_path):
     assert len(more) == 50 and len(set(more)) == 50
     assert all(spool.record("new", i)["max_attempts"] == 2 for i in more)
     assert set(spool.ids("new")) == set(ids + more)
+    bom = tmp_path / "bom.jsonl"  # as some editors save it; a job file may start so too
+    bom.write_bytes(b'\xef\xbb\xbf{"command": "true", "id": "after-bom"}\n')
+    assert spool.run("enqueue", "--jsonl", str(bom)).stdout == "after-bom\n"
 
 
 def test_enqueue_jsonl_rejects_a_bad_line_and_enqueues_nothing(spool):
