@@ -388,6 +388,7 @@ def cancel(ctx, job_id):
     """Cancel a waiting job (new/ or failed/ -> done/, outcome cancelled)."""
     from .transitions import JobNotFound, NotPossible
 
+    output.refuse_bad_ids((job_id,))
     spool = _existing(ctx)
     try:
         spool.cancel(job_id, check=True)
@@ -408,9 +409,10 @@ def retry(ctx, job_ids, all_):
 def _retry(ctx, job_ids, all_):
     from .transitions import JobNotFound, NotPossible
 
-    spool = _existing(ctx)
     if all_ == bool(job_ids):
         fail("give job ids or --all", 2)
+    output.refuse_bad_ids(job_ids)
+    spool = _existing(ctx)
     problems = 0
     if all_:
         def report(message: str) -> None:

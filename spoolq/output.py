@@ -104,14 +104,20 @@ def require_spool(spool) -> None:
     fail(f"no spool at {spool.path} (create it with 'spoolq init' or enqueue a job)", 1)
 
 
+def refuse_bad_ids(job_ids) -> None:
+    """Exit 2 (invalid input) for an id no job can have, before any is acted on."""
+    from .protocol import id_problem
+
+    for job_id in job_ids:
+        problem = id_problem(job_id)
+        if problem:
+            fail(problem, 2)  # quoted: a hostile id cannot break the line
+
+
 def show(spool, job_id: str, as_json: bool) -> None:
     """``spoolq show``: one job's record, wherever it is, or exit 1."""
     require_spool(spool)
-    from .protocol import id_problem
-
-    problem = id_problem(job_id)
-    if problem:
-        fail(problem, 1)  # quoted: a hostile id cannot break the line
+    refuse_bad_ids((job_id,))
     job = spool.get(job_id)
     if job is None:
         fail(f"no job {job_id} in this spool", 1)

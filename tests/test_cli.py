@@ -177,7 +177,7 @@ def test_usage_errors_exit_2_with_one_line(spool):
 
 
 def test_requests_that_cannot_be_done_exit_1(spool):
-    for args in (["show", "nope"], ["cancel", "nope"], ["retry", "nope"], ["show", "../etc"]):
+    for args in (["show", "nope"], ["cancel", "nope"], ["retry", "nope"]):
         proc = spool.run(*args, check=False)
         assert proc.returncode == 1, args
         assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
@@ -373,11 +373,17 @@ def test_an_empty_spool_path_is_refused_not_taken_for_the_current_directory(tmp_
     assert os.listdir(tmp_path) == []
 
 
-def test_show_of_a_hostile_id_says_why_on_one_line(spool):
+def test_a_hostile_id_is_invalid_input_said_on_one_line(spool):
+    """An id no job can have is invalid input (exit 2, as for enqueue --id),
+    not a job that was not found (1); retry acts on none of its ids then."""
+    dead = spool.enqueue("--max-attempts", "1", "false")
+    spool.work()
     for job_id in ("a\nb", "../etc", "x" * 300):
-        proc = spool.run("show", job_id, check=False)
-        assert proc.returncode == 1 and len(proc.stderr.splitlines()) == 1, job_id
-        assert proc.stderr.startswith("spoolq: id ") and proc.stdout == ""
+        for args in (["show", job_id], ["cancel", job_id], ["retry", dead, job_id]):
+            proc = spool.run(*args, check=False)
+            assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1, args
+            assert proc.stderr.startswith("spoolq: id ") and proc.stdout == ""
+    assert spool.where(dead) == ["dead"]
 
 
 def test_a_worker_started_with_stdout_and_stderr_closed_still_works(spool):
