@@ -89,6 +89,17 @@ class Registration:
             if job_id in self._on_disk:
                 self._save()
 
+    def ensure_listed(self, job_id: str) -> None:
+        """Write now if the file does not list this job's run yet. Called
+        before a failed run's outcome goes into its record in cur/: should
+        the worker die before the move to failed/, recovery must see that
+        the record is of this run, or it takes it for the run before and
+        counts a run that never happened. (Runs with a process are listed
+        when it starts; an in-process handler's only here.)"""
+        with self._lock:
+            if job_id in self.jobs and job_id not in self._on_disk:
+                self._save()
+
     def job_spawned(self, job_id: str, pid: int, spawn_window: tuple[int, int]) -> None:
         """Record the process group of a run now, so recovery can kill what it
         leaves. ``spawn_window``: boot ticks just before and after the spawn,

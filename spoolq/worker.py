@@ -753,6 +753,11 @@ class Worker:
         reg = self.registration
         defer = self.spool.dir.fsync
         try:
+            if not out.ok:  # a failed run's record must be known as this run's (a success needs no telling)
+                try:
+                    reg.ensure_listed(job_id)
+                except OSError:
+                    pass  # only a crash right after the record would count the run twice
             dest, due = transitions.finish(self.ctx, claimed, out, reg.worker_id, defer_sync=defer, stage=defer)
         except (Exception, ForcedStop) as e:
             # The job stays in cur/ and its registration entry stays too, so

@@ -11,7 +11,9 @@ import subprocess
 import sys
 import time
 
-from conftest import wait_for
+import pytest
+
+from conftest import SPOOLQ, wait_for
 
 
 def _alive(pid: int) -> bool:
@@ -426,6 +428,36 @@ def test_a_copy_of_a_live_workers_registration_gets_none_of_its_processes_killed
     finally:
         worker.wait(timeout=60)
     assert s.where(job_id) == ["done"] and s.show(job_id)["outcome"] == "succeeded"
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="strace is not installed (apt-get install strace)")
+@pytest.mark.parametrize("fixture, kill_at", [("fast_spool", 3), ("spool", 4)])
+def test_an_in_process_handler_killed_before_its_failure_moves_on_is_not_charged_twice(request, fixture, kill_at, tmp_path):
+    """Regression (audit): a worker killed after a failed in-process run was
+    written into its record in cur/, before the move to failed/, had not yet
+    listed the run in its registration (only a process start wrote it at
+    once), so recovery took the record for the run before and added a run
+    that never happened: the job went dead after two real runs of three.
+    With fsync on, the staged record's swap is one more rename first."""
+    s = request.getfixturevalue(fixture)
+    s.config("backoff_initial", 0)
+    runs = tmp_path / "runs"
+    (tmp_path / "failapp.py").write_text(
+        f"def fail(p):\n    open({str(runs)!r}, 'a').write('run\\n')\n    raise RuntimeError('boom')\n"
+        "HANDLERS = {'fail': fail}\n")
+    s.enqueue("--id", "hf", "--kind", "fail", "--max-attempts", "3")
+    # The worker's renames: its registration, the claim, [the staged record's swap,] then cur/ -> failed/:
+    # killed on entering that one.
+    subprocess.run(["strace", "-qq", "-o", os.devnull, "-e", "trace=renameat2", "-e", f"inject=renameat2:signal=KILL:when={kill_at}",
+                    *SPOOLQ, "-s", str(s.path), "work", "--app", "failapp:HANDLERS"], cwd=str(tmp_path), capture_output=True, timeout=60)
+    assert s.names("cur") == ["hf.json"]
+    recorded = s.record("cur", "hf")
+    assert (recorded["state"], recorded["attempts"]) == ("failed", 1)  # the outcome written, not moved on
+    s.run("work", "--app", "failapp:HANDLERS", cwd=str(tmp_path))
+    job = s.show("hf")
+    assert runs.read_text() == "run\n" * 3
+    assert job["state"] == "dead" and job["attempts"] == 3
+    assert [h["error"] for h in job["history"]] == ["RuntimeError: boom"] * 3
 
 
 def test_stale_tmp_files_are_removed_by_sweep(fast_spool):
