@@ -308,6 +308,10 @@ def fold(spool: SpoolDir, index: Index, folder: str, names: list[str], settings:
                         left += 1
                         continue
                     job = _invalid_record(name, held, e, int(settings["max_job_bytes"]))
+                if folder == "done" and job.get("state") not in ("done", None):
+                    # Only a cancel interrupted between its move and its
+                    # rewrite leaves a waiting job's record in done/.
+                    job = dict(job, state="done", outcome="cancelled")
                 held_batch.append(held)
                 finished = _time(job.get("finished_at")) or held.st.st_mtime
                 rows.append((job, "done" if folder == "done" else "dead", finished))

@@ -521,7 +521,13 @@ def cancel(ctx: Context, job_id: str) -> None:
         job["state"] = "done"
         job["outcome"] = "cancelled"
         job["finished_at"] = rfc3339()
-        _write_and_move(held, job, "done", None)
+        # Moved first, rewritten after (locked throughout): a crash in between
+        # leaves a job in done/ that never runs, its record not yet saying
+        # so (compaction knows it by its state: see index.fold). Rewritten
+        # first, a crash left a record saying done in new/, which a worker
+        # would run and its recovery then take for a recorded finish.
+        held.move("done")
+        held.rewrite(record.dumps(job))
     finally:
         held.release()
 

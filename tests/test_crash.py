@@ -460,6 +460,34 @@ def test_an_in_process_handler_killed_before_its_failure_moves_on_is_not_charged
     assert [h["error"] for h in job["history"]] == ["RuntimeError: boom"] * 3
 
 
+@pytest.mark.skipif(shutil.which("strace") is None, reason="strace is not installed (apt-get install strace)")
+def test_a_cancel_killed_at_any_step_leaves_a_job_that_runs_or_one_that_is_cancelled(fast_spool, tmp_path):
+    """Regression (audit): cancel wrote "done, cancelled" into the record in
+    new/ before the move; killed in between, the job was run by the next
+    worker, and if that worker died too, recovery took the record for a
+    recorded finish: a job that ran ended "cancelled" with no history."""
+    s = fast_spool
+
+    def cancel_killed_on(call: str) -> None:
+        subprocess.run(["strace", "-qq", "-o", os.devnull, "-e", f"trace={call}", "-e", f"inject={call}:signal=KILL:when=1",
+                        *SPOOLQ, "-s", str(s.path), "cancel", job_id], capture_output=True, timeout=60)
+
+    job_id = s.enqueue("--id", "before-move", "echo ran")
+    cancel_killed_on("renameat2")  # before the move: nothing changed, the job runs
+    assert s.where(job_id) == ["new"] and "outcome" not in s.record("new", job_id)
+    s.work()
+    assert s.show(job_id)["stdout"] == "ran\n" and s.show(job_id)["outcome"] == "succeeded"
+
+    job_id = s.enqueue("--id", "after-move", "echo ran")
+    cancel_killed_on("pwrite64")  # moved, record not yet rewritten: in done/, never run
+    assert s.where(job_id) == ["done"] and "outcome" not in s.record("done", job_id)
+    s.work()
+    assert "stdout" not in s.record("done", job_id)
+    s.run("compact")
+    job = s.show(job_id)
+    assert job["compacted"] is True and job["outcome"] == "cancelled" and "history" not in job
+
+
 def test_stale_tmp_files_are_removed_by_sweep(fast_spool):
     s = fast_spool
     old = s.path / "tmp" / "abandoned"
