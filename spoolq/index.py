@@ -95,6 +95,24 @@ def _sql_row(row: tuple) -> tuple:
     return tuple(map(_sql, row))
 
 
+def _later_version(old: dict, new: dict) -> bool:
+    """Whether ``new`` is ``old``'s job run again since: created at the same
+    time, with a history that continues the old one."""
+    old_history, new_history = old.get("history"), new.get("history")
+    return (old.get("created_at") is not None and old.get("created_at") == new.get("created_at")
+            and isinstance(old_history, list) and isinstance(new_history, list)
+            and len(new_history) > len(old_history) and new_history[:len(old_history)] == old_history)
+
+
+def _tally(counts: dict[str, int], job: dict, state: str, runs: list[tuple], sign: int) -> None:
+    """Add (``sign`` 1) or take back (-1) a stored job in the counters."""
+    for name, n in ((f"rows_{state}", 1),
+                    (f"jobs_{job.get('outcome') or 'succeeded'}" if state == "done" else "jobs_dead", 1),
+                    ("runs_succeeded", sum(1 for r in runs if r[10] is None)),
+                    ("runs_failed", sum(1 for r in runs if r[10] is not None))):
+        counts[name] = counts.get(name, 0) + sign * n
+
+
 def _time(value: Any) -> float | None:
     if value is None:
         return None
@@ -219,19 +237,26 @@ class Index:
         try:
             for job, state, finished_at in jobs:
                 if db.execute(insert_job, job_row(job, state, finished_at)).rowcount == 0:
-                    existing = db.execute("SELECT record FROM jobs WHERE id = ?", (_sql(job["id"]),)).fetchone()
-                    if existing is not None and json.loads(existing[0]) == job:
+                    key = _sql(job["id"])
+                    old_record, old_state = db.execute("SELECT record, state FROM jobs WHERE id = ?", (key,)).fetchone()
+                    old = json.loads(old_record)
+                    if old == job:
                         stored.append(job["id"])  # stored by a compaction that crashed after its commit
                         continue
-                    job = dict(job, id=id_of(duplicate_name(file_name(job["id"]))), duplicate_of=job["id"])
+                    if _later_version(old, job):
+                        # The same job, run again since its row was stored: a
+                        # file a killed compaction or purge had left behind,
+                        # then retried (by command or by hand). Its newer
+                        # record replaces the row; nothing else has that id.
+                        _tally(counts, old, old_state, run_rows(old), -1)
+                        db.execute("DELETE FROM runs WHERE job_id = ?", (key,))
+                        db.execute("DELETE FROM jobs WHERE id = ?", (key,))
+                    else:
+                        job = dict(job, id=id_of(duplicate_name(file_name(job["id"]))), duplicate_of=job["id"])
                     db.execute(insert_job, job_row(job, state, finished_at))
                 runs = run_rows(job)
                 db.executemany(insert_runs, runs)
-                for name, n in ((f"rows_{state}", 1),
-                                (f"jobs_{job.get('outcome') or 'succeeded'}" if state == "done" else "jobs_dead", 1),
-                                ("runs_succeeded", sum(1 for r in runs if r[10] is None)),
-                                ("runs_failed", sum(1 for r in runs if r[10] is not None))):
-                    counts[name] = counts.get(name, 0) + n
+                _tally(counts, job, state, runs, 1)
                 stored.append(job["id"])
             for name, n in counts.items():
                 self._bump(name, n)

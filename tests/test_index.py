@@ -253,6 +253,40 @@ def test_purge_dead_clears_old_dead_jobs_into_the_index(fast_spool):
     assert s.run("purge", "--older-than", "1d", check=False).returncode == 2  # --dead is required
 
 
+def test_a_job_left_behind_by_a_killed_purge_and_retried_replaces_its_row(fast_spool, tmp_path):
+    """Regression (audit): a purge killed between its commit and its unlinks
+    leaves a dead file that is also in the index. Retried, the job ran and
+    was folded again as a `.dup-` row, while `show` kept answering with the
+    old dead row. A later run of the same job (same created_at, history
+    continued) replaces its row; a different job with that id still gets
+    a `.dup-` row."""
+    s = fast_spool
+    s.config("backoff_initial", 0)
+    flag = tmp_path / "flag"
+    job_id = s.enqueue("--id", "again", "--max-attempts", "1", f"test -e {flag}")
+    s.work("-q")
+    left = s.path / "dead" / "again.json"
+    data, mtime = left.read_bytes(), os.stat(left).st_mtime_ns
+    s.run("purge", "--dead", "--older-than", "0")
+    left.write_bytes(data)  # as a purge killed after its commit leaves it: in dead/ and in the index
+    os.utime(left, ns=(mtime, mtime))
+    assert _rows(s) == [(job_id, "dead")] and s.status()["dead_purged"] == 1
+    flag.touch()
+    s.run("retry", job_id)
+    s.work("-q")
+    s.run("compact")
+    assert _rows(s) == [(job_id, "done")]
+    job = s.show(job_id)
+    assert job["outcome"] == "succeeded" and [h.get("error") for h in job["history"]] == ["exit status 1", None]
+    status = s.status()
+    assert (status["dead"], status["dead_purged"], status["compacted"]) == (0, 0, 1)
+    stats = json.loads(s.run("stats", "--json").stdout)["total"]
+    assert (stats["jobs"], stats["succeeded"], stats["dead"], stats["runs"], stats["failed_runs"]) == (1, 1, 0, 2, 1)
+    s.drop("again.json", '{"command": "echo another job under that id"}', folder="done")
+    s.run("compact")
+    assert sorted(state for _, state in _rows(s)) == ["done", "done"] and len([i for i, _ in _rows(s) if ".dup-" in i]) == 1
+
+
 def test_the_readme_queries_run_on_a_real_index(fast_spool):
     import re
 
