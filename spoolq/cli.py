@@ -417,7 +417,7 @@ def _retry(ctx, job_ids, all_):
     if all_:
         def report(message: str) -> None:
             nonlocal problems
-            echo(f"spoolq: {message}", err=True)
+            echo(f"spoolq: {one_line(message)}", err=True)
             problems += 1
 
         for jid in spool.retry_all(on_problem=report):
@@ -430,7 +430,7 @@ def _retry(ctx, job_ids, all_):
             spool.retry(jid, check=True)
             echo(one_line(jid))
         except (JobNotFound, NotPossible) as e:
-            echo(f"spoolq: {e}", err=True)
+            echo(f"spoolq: {one_line(str(e))}", err=True)
             problems += 1
     if problems:
         sys.exit(1)

@@ -257,6 +257,7 @@ def take_dead(spool: SpoolDir, wait_for: set[str] = frozenset(), patience: float
         if not name.endswith(".json"):
             continue
         deadline = time.monotonic() + patience
+        replaced = 0
         while True:
             try:
                 held = spool.hold("workers", name)
@@ -274,7 +275,17 @@ def take_dead(spool: SpoolDir, wait_for: set[str] = frozenset(), patience: float
                         reg.release()
                     raise
                 break
-            except (Gone, NotRegular):
+            except Gone:
+                # The name now names another file: a live worker rewriting its
+                # registration by rename. Look again; if it keeps changing,
+                # its worker is alive.
+                replaced += 1
+                if replaced < 20:
+                    time.sleep(0.001)
+                    continue
+                live_ids.add(_worker_of(spool, name))
+                break
+            except NotRegular:
                 break
             if trusted is not None and held.st.st_uid not in trusted:
                 held.release()

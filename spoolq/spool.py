@@ -270,8 +270,8 @@ class Spool:
         limit = int(self.settings["max_job_bytes"])
         job: dict[str, Any]
         try:
-            data, st = self.dir.read(state, name, limit + 1)
-            job = record.parse(data, job_id) if len(data) <= limit else None
+            data, st = self.dir.read(state, name, limit + record.RECORD_SLACK + 1)
+            job = record.parse_sized(data, job_id, limit)
         except (InvalidJob, NotRegular, OSError):
             job = None
         if job is None or (state == "dead" and job.get("error") is None):

@@ -107,6 +107,9 @@ class Claimed:
 # checking a file
 
 
+ERROR_LIMIT = 2000  # characters of a run's error message kept in the record
+
+
 def check(ctx: Context, st: os.stat_result, read: Callable[[int], bytes], name: str) -> dict:
     """The job a file holds, or InvalidJob with the reason it can never run."""
     if not stat.S_ISREG(st.st_mode):
@@ -117,16 +120,13 @@ def check(ctx: Context, st: os.stat_result, read: Callable[[int], bytes], name: 
             "add it to the trusted_users setting to run its jobs"
         )
     limit = int(ctx.settings["max_job_bytes"])
-    if st.st_size > limit:
+    if st.st_size > limit + record.RECORD_SLACK:
         raise InvalidJob(f"{st.st_size} bytes, larger than max_job_bytes ({limit})")
     job_id = id_of(name)
     problem = id_problem(job_id)
     if problem:
         raise InvalidJob(f"bad file name: {problem}")
-    data = read(limit + 1)
-    if len(data) > limit:
-        raise InvalidJob(f"larger than max_job_bytes ({limit})")
-    return record.parse(data, job_id)
+    return record.parse_sized(read(limit + record.RECORD_SLACK + 1), job_id, limit)
 
 
 def dead_reason(ctx: Context, folder: str, name: str) -> str | None:
@@ -323,7 +323,7 @@ def _duplicate_of(ctx: Context, job_id: str, entry: Entry) -> str | None:
 # finish
 
 
-_RUN_FIELDS = frozenset(("exit_code", "error", "stdout", "stderr", "result", "outcome"))
+_RUN_FIELDS = frozenset(("exit_code", "error", "stdout", "stderr", "result", "result_dropped", "outcome"))
 
 
 def _clear_run_fields(job: dict) -> None:
@@ -357,6 +357,9 @@ def finish(ctx: Context, claimed: Claimed, out: Outcome, worker_id: str, due_now
     attempt = claimed.attempt
     now = time.time()
     end = rfc3339(out.end or now)
+    error = out.error
+    if error is not None and len(error) > ERROR_LIMIT:  # an exception's message has no bound of its own
+        error = error[:ERROR_LIMIT] + f"... ({len(error)} characters)"
     entry: dict[str, Any] = {
         "attempt": attempt,
         "worker": worker_id,
@@ -366,8 +369,8 @@ def finish(ctx: Context, claimed: Claimed, out: Outcome, worker_id: str, due_now
     }
     if out.exit_code is not None:
         entry["exit_code"] = out.exit_code
-    if out.error is not None:
-        entry["error"] = out.error
+    if error is not None:
+        entry["error"] = error
     history = job.get("history")
     if not isinstance(history, list):
         history = []
@@ -377,8 +380,8 @@ def finish(ctx: Context, claimed: Claimed, out: Outcome, worker_id: str, due_now
     _clear_run_fields(job)
     if out.exit_code is not None:
         job["exit_code"] = out.exit_code
-    if out.error is not None:
-        job["error"] = out.error
+    if error is not None:
+        job["error"] = error
     if out.stdout:
         job["stdout"] = out.stdout
     if out.stderr:
@@ -427,11 +430,21 @@ def _fitted(job: dict, limit: int) -> bytes:
         data = record.dumps(job)
     history = job.get("history")
     while len(data) > limit and isinstance(history, list) and len(history) > 1:
-        cut = max(1, (len(history) - 1) // 2)
+        cut, freed = 0, 0
+        while freed < len(data) - limit and cut < len(history) - 1:
+            freed += len(record.dumps(history[cut]))
+            cut += 1
         del history[:cut]
-        job["history_dropped"] = int(job.get("history_dropped") or 0) + cut
+        job["history_dropped"] = dropped_runs(job) + cut
         data = record.dumps(job)
     return data
+
+
+def dropped_runs(job: dict) -> int:
+    """How many history entries trimming has dropped from ``job`` (0 unless
+    the field is a count: a job file may hold anything there)."""
+    value = job.get("history_dropped")
+    return value if type(value) is int and value > 0 else 0
 
 
 def _backoff(ctx: Context, failures: int) -> float:
@@ -581,7 +594,10 @@ def _retry_held(ctx: Context, held: Held) -> None:
         job["attempts"] = 0
         job["retried_at"] = rfc3339()
         held.rewrite(record.dumps(job))
-    held.set_mtime(time.time_ns())  # due now
+    try:
+        held.set_mtime(time.time_ns())  # due now (its mtime, from when it died, is past anyway)
+    except OSError:
+        pass  # another user's file we may not touch
 
 
 def retry_all(ctx: Context, on_problem: Callable[[str], None] | None = None) -> list[str]:
@@ -755,6 +771,17 @@ def _recover_held(ctx: Context, held: Held, run: tuple | None, staged: tuple[str
         report.recovered += 1
 
 
+def _continues(job: dict, outcome: dict) -> bool:
+    """Whether ``outcome``'s history is ``job``'s plus one run: the job's
+    entries, less any oldest ones trimming dropped (and counted), then one."""
+    history, previous = outcome.get("history"), job.get("history") or []
+    if not isinstance(history, list) or not history or not isinstance(previous, list):
+        return False
+    kept = history[:-1]
+    dropped = len(previous) - len(kept)
+    return dropped >= 0 and previous[dropped:] == kept and dropped_runs(outcome) == dropped_runs(job) + dropped
+
+
 def _staged_outcome(ctx: Context, names: tuple[str, ...] | list[str], job: dict, run_attempt: int,
                     staged_held: list[Held]) -> dict | None:
     """The finished record of run ``run_attempt`` of ``job`` among the
@@ -770,17 +797,16 @@ def _staged_outcome(ctx: Context, names: tuple[str, ...] | list[str], job: dict,
             continue  # a live process's, or gone: not ours to judge
         staged_held.append(h)
         limit = int(ctx.settings["max_job_bytes"])
-        if found is not None or h.st.st_uid not in ctx.trusted_uids or h.st.st_size > limit:
+        if found is not None or h.st.st_uid not in ctx.trusted_uids or h.st.st_size > limit + record.RECORD_SLACK:
             continue
-        data = h.read(limit)
+        data = h.read(limit + record.RECORD_SLACK)
         if not staged_intact(name, data):
             continue  # torn by a power cut, or an old inode left under this name
         try:
-            outcome = record.parse(data, job["id"])
+            outcome = record.parse_sized(data, job["id"], limit)
         except InvalidJob:
             continue
-        history = outcome.get("history")
-        if (outcome.get("attempts") == run_attempt and outcome.get("state") in ("done", "failed", "dead")
-                and isinstance(history, list) and history[:-1] == (job.get("history") or [])):
+        if outcome.get("attempts") == run_attempt and outcome.get("state") in ("done", "failed", "dead") \
+                and _continues(job, outcome):
             found = outcome
     return found

@@ -461,6 +461,32 @@ def test_an_in_process_handler_killed_before_its_failure_moves_on_is_not_charged
 
 
 @pytest.mark.skipif(shutil.which("strace") is None, reason="strace is not installed (apt-get install strace)")
+def test_a_staged_finish_whose_history_was_trimmed_is_completed_by_recovery(spool, tmp_path):
+    """Review: a record trimmed to fit max_job_bytes (its oldest history
+    entries dropped) no longer had the job's history as its prefix, so
+    recovery refused the staged outcome of a worker killed before the swap
+    and ran a finished job again."""
+    s = spool
+    s.config("max_job_bytes", 20000)
+    runs = tmp_path / "runs"
+    old_runs = [{"attempt": i, "worker": "w", "due": 1e9, "start": 1e9, "end": 1e9 + 1, "error": "e" * 200} for i in range(1, 61)]
+    job = {"command": f"echo run >> {runs}", "state": "new", "attempts": 0, "max_attempts": 100,
+           "created_at": "2026-01-01T00:00:00Z", "history": old_runs, "payload": ""}
+    job["payload"] = "p" * (19950 - len(json.dumps(job, separators=(",", ":"))))
+    s.drop("trimmed.json", json.dumps(job, separators=(",", ":")))
+    # The worker's renames: its registration, the claim, then the staged record's swap: killed on entering it.
+    subprocess.run(["strace", "-qq", "-o", os.devnull, "-e", "trace=renameat2", "-e", "inject=renameat2:signal=KILL:when=3",
+                    *SPOOLQ, "-s", str(s.path), "work"], capture_output=True, timeout=60)
+    assert s.names("cur")[0] == "trimmed.json" and any(".staged." in n for n in os.listdir(s.path / "cur"))
+    assert "completed 1" in s.run("sweep").stdout
+    done = s.show("trimmed")
+    assert runs.read_text() == "run\n"  # not run again
+    assert done["state"] == "done" and done["attempts"] == 1 and done["history_dropped"] >= 1
+    assert len(done["history"]) + done["history_dropped"] == 61 and done["history"][-1]["attempt"] == 1
+    assert os.path.getsize(s.path / "done" / "trimmed.json") <= 20000
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="strace is not installed (apt-get install strace)")
 def test_a_cancel_killed_at_any_step_leaves_a_job_that_runs_or_one_that_is_cancelled(fast_spool, tmp_path):
     """Regression (audit): cancel wrote "done, cancelled" into the record in
     new/ before the move; killed in between, the job was run by the next
@@ -486,6 +512,33 @@ def test_a_cancel_killed_at_any_step_leaves_a_job_that_runs_or_one_that_is_cance
     s.run("compact")
     job = s.show(job_id)
     assert job["compacted"] is True and job["outcome"] == "cancelled" and "history" not in job
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="strace is not installed (apt-get install strace)")
+def test_a_retry_killed_at_any_step_leaves_the_dead_file_as_it_was_or_a_fresh_round(fast_spool, tmp_path):
+    """Review: retry rewrote the dead record before the move, so a retry
+    killed in between (or refused by a name taken meanwhile) left dead/
+    holding a record that said new, its error gone. Now it moves first."""
+    s = fast_spool
+    flag = tmp_path / "flag"
+    job_id = s.enqueue("--id", "again", "--max-attempts", "2", f"test -e {flag}")
+    s.config("backoff_initial", 0)
+    s.work()
+    dead = s.path / "dead" / "again.json"
+    before = dead.read_bytes()
+
+    def retry_killed_on(call: str) -> None:
+        subprocess.run(["strace", "-qq", "-o", os.devnull, "-e", f"trace={call}", "-e", f"inject={call}:signal=KILL:when=1",
+                        *SPOOLQ, "-s", str(s.path), "retry", job_id], capture_output=True, timeout=60)
+
+    retry_killed_on("renameat2")  # before the move: nothing changed
+    assert s.where(job_id) == ["dead"] and dead.read_bytes() == before
+    retry_killed_on("pwrite64")  # moved, record not yet rewritten: a claim takes it as a fresh round
+    assert s.where(job_id) == ["new"] and s.record("new", job_id)["state"] == "dead"
+    flag.touch()
+    s.work()
+    job = s.show(job_id)
+    assert job["outcome"] == "succeeded" and job["attempts"] == 1 and len(job["history"]) == 3
 
 
 def test_stale_tmp_files_are_removed_by_sweep(fast_spool):

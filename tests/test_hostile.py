@@ -277,9 +277,26 @@ def test_a_record_spoolq_writes_never_outgrows_max_job_bytes(fast_spool, tmp_pat
     s.config("backoff_initial", 0)
     noisy = s.enqueue("--id", "noisy", "--max-attempts", "3", "--payload", json.dumps("p" * 15000),
                       "head -c 9000 /dev/zero | tr '\\0' e >&2; exit 1")
-    (tmp_path / "bigresult.py").write_text("HANDLERS = {'big': lambda p: 'r' * 50000}\n")
+    (tmp_path / "bigresult.py").write_text("def shout(p):\n    raise RuntimeError('x' * 30000)\n"
+                                           "HANDLERS = {'big': lambda p: 'r' * 50000, 'shout': shout}\n")
     big = s.enqueue("--id", "big", "--kind", "big")
+    # Review: a job with no room left for its own bookkeeping, a huge exception message, and a
+    # history_dropped field of the job's own that is no count, with a history to trim.
+    full = {"command": "exit 1", "max_attempts": 2, "payload": ""}
+    full["payload"] = "p" * (limit - 10 - len(json.dumps(full, separators=(",", ":"))))
+    s.drop("full.json", json.dumps(full, separators=(",", ":")))
+    s.enqueue("--id", "shout", "--kind", "shout", "--max-attempts", "1")
+    odd = {"command": "exit 1", "max_attempts": 40, "history_dropped": "x", "state": "failed", "attempts": 30,
+           "history": [{"attempt": i, "error": "e" * 620} for i in range(1, 31)]}
+    s.drop("odd.json", json.dumps(odd, separators=(",", ":")))
     s.run("work", "--app", "bigresult:HANDLERS", cwd=str(tmp_path))
+    for job_id, error in (("full", "exit status 1"), ("shout", "RuntimeError: " + "x" * 1986 + "... (30014 characters)")):
+        job = s.show(job_id)
+        assert job["state"] == "dead" and job["error"] == error, job_id
+        assert job["attempts"] == len(job["history"]) + job.get("history_dropped", 0), job_id
+    odd_job = s.show("odd")
+    assert odd_job["state"] == "dead" and odd_job["attempts"] == 40 and odd_job["history_dropped"] >= 1
+    assert len((s.path / "dead" / "odd.json").read_bytes().rstrip()) <= limit  # (a rewrite in place may pad it)
     job = s.show(noisy)
     assert job["state"] == "dead" and job["attempts"] == 3 and job["error"] == "exit status 1", job.get("error")
     assert len(job["history"]) + int(job.get("history_dropped") or 0) == 3

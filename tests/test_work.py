@@ -209,6 +209,9 @@ def test_a_refused_retry_leaves_the_dead_file_as_it_was_and_retry_all_says_so(fa
     assert proc.returncode == 1 and "already in new/" in proc.stderr
     assert s.record("dead", "blocked")["error"] == "exit status 3"
     assert s.where("free") == ["new"] and s.record("new", "free")["attempts"] == 0
+    os.mkfifo(s.path / "dead" / "evil\nspoolq: fake.json")  # quoted in the message: still one line
+    proc = s.run("retry", "--all", check=False)
+    assert proc.returncode == 1 and len(proc.stderr.splitlines()) == 3 and "evil\\nspoolq: fake.json" in proc.stderr
 
 
 def test_cancel_waiting_jobs_but_not_running_or_finished(fast_spool):
