@@ -242,19 +242,25 @@ def test_records_sqlite_cannot_bind_never_stop_compact_stats_or_purge(fast_spool
     s = fast_spool
     s.enqueue("--id", "surrogate", os.fsdecode(b"echo \xff"))
     s.drop("huge-attempts.json", '{"command": "true", "attempts": 9223372036854775807}')
+    huge = "1" + "0" * 400  # an integer beyond a double: math.isfinite overflows on it
+    s.drop("huge-created.json", '{"command": "true", "created_at": %s}' % huge)
+    s.drop("huge-run-at.json", '{"command": "true", "run_at": %s}' % huge)
+    proc = s.run("enqueue", "--json", '{"command": "true", "timeout": %s}' % huge, check=False)
+    assert proc.returncode == 2 and "timeout" in proc.stderr, proc.stderr
     s.enqueue("--id", "plain", "true")
     bad_name = os.fsdecode(b"caf\xe9.json")
     s.drop(bad_name, '{"command": "true"}')
     binary = b"\x00\x01\xff\xfe{not json"
     s.drop("binary.json", binary)
     s.work()
-    assert sorted(s.ids("done")) == ["huge-attempts", "plain", "surrogate"]
-    assert json.loads(s.run("compact", "--json").stdout)["folded"] == 3
+    assert sorted(s.ids("done")) == ["huge-attempts", "huge-created", "plain", "surrogate"]
+    assert s.where("huge-run-at") == ["dead"] and "run_at" in s.show("huge-run-at")["error"]
+    assert json.loads(s.run("compact", "--json").stdout)["folded"] == 4
     assert s.names("done") == []
     assert s.show("surrogate")["command"] == os.fsdecode(b"echo \xff") and s.show("surrogate")["compacted"] is True
     assert s.show("huge-attempts")["attempts"] == 9223372036854775807 + 1
-    assert json.loads(s.run("stats", "--json").stdout)["total"]["succeeded"] == 3
-    assert s.run("purge", "--dead", "--older-than", "0").stdout == "purged 2 dead jobs into index.db, left 0\n"
+    assert json.loads(s.run("stats", "--json").stdout)["total"]["succeeded"] == 4
+    assert s.run("purge", "--dead", "--older-than", "0").stdout == "purged 3 dead jobs into index.db, left 0\n"
     assert s.names("dead") == []
     kept = s.show("binary")
     assert base64.b64decode(kept["raw_base64"]) == binary and kept["error"] == "not UTF-8 (byte 2)"
