@@ -95,13 +95,13 @@ def _sql_row(row: tuple) -> tuple:
     return tuple(map(_sql, row))
 
 
-def _later_version(old: dict, new: dict) -> bool:
-    """Whether ``new`` is ``old``'s job run again since: created at the same
-    time, with a history that continues the old one."""
-    old_history, new_history = old.get("history"), new.get("history")
-    return (old.get("created_at") is not None and old.get("created_at") == new.get("created_at")
-            and isinstance(old_history, list) and isinstance(new_history, list)
-            and len(new_history) > len(old_history) and new_history[:len(old_history)] == old_history)
+def _later_version(old: dict, old_finished: float, new: dict, new_finished: float) -> bool:
+    """Whether ``new`` is a later record of ``old``'s job: created at the
+    same time (an enqueue's time to the microsecond, or a dropped file's
+    mtime), finished no earlier. Such a job was left in its folder by a
+    killed compaction or purge, then retried, cancelled or moved by hand."""
+    return old.get("created_at") is not None and old.get("created_at") == new.get("created_at") \
+        and new_finished >= old_finished
 
 
 def _tally(counts: dict[str, int], job: dict, state: str, runs: list[tuple], sign: int) -> None:
@@ -238,16 +238,15 @@ class Index:
             for job, state, finished_at in jobs:
                 if db.execute(insert_job, job_row(job, state, finished_at)).rowcount == 0:
                     key = _sql(job["id"])
-                    old_record, old_state = db.execute("SELECT record, state FROM jobs WHERE id = ?", (key,)).fetchone()
+                    old_record, old_state, old_finished = db.execute(
+                        "SELECT record, state, finished_at FROM jobs WHERE id = ?", (key,)).fetchone()
                     old = json.loads(old_record)
                     if old == job:
                         stored.append(job["id"])  # stored by a compaction that crashed after its commit
                         continue
-                    if _later_version(old, job):
-                        # The same job, run again since its row was stored: a
-                        # file a killed compaction or purge had left behind,
-                        # then retried (by command or by hand). Its newer
-                        # record replaces the row; nothing else has that id.
+                    if _later_version(old, old_finished, job, finished_at):
+                        # The same job, changed since its row was stored: its
+                        # newer record replaces the row (one row per id).
                         _tally(counts, old, old_state, run_rows(old), -1)
                         db.execute("DELETE FROM runs WHERE job_id = ?", (key,))
                         db.execute("DELETE FROM jobs WHERE id = ?", (key,))
@@ -333,10 +332,8 @@ def fold(spool: SpoolDir, index: Index, folder: str, names: list[str], settings:
                         left += 1
                         continue
                     job = _invalid_record(name, held, e, int(settings["max_job_bytes"]))
-                if folder == "done" and job.get("state") not in ("done", None):
-                    # Only a cancel interrupted between its move and its
-                    # rewrite leaves a waiting job's record in done/.
-                    job = dict(job, state="done", outcome="cancelled")
+                if folder == "done":
+                    job = record.as_done(job)
                 held_batch.append(held)
                 finished = _time(job.get("finished_at")) or held.st.st_mtime
                 rows.append((job, "done" if folder == "done" else "dead", finished))

@@ -221,6 +221,15 @@ def validate(job: dict, name_id: str | None = None) -> None:
 RECORD_SLACK = 64 * 1024
 
 
+def as_done(job: dict) -> dict:
+    """A record found in done/. Every finish and cancel writes an outcome;
+    a record without one is a waiting job's that a cancel killed between its
+    move and its rewrite left there: read as the cancelled job it is."""
+    if "outcome" in job:
+        return job
+    return dict(job, state="done", outcome="cancelled")
+
+
 def parse_sized(data: bytes, job_id: str, limit: int) -> dict:
     """``parse``, for a file read up to ``limit`` (max_job_bytes) plus
     RECORD_SLACK and one byte: larger than ``limit`` is invalid, unless the

@@ -284,6 +284,8 @@ class Spool:
                 job = {"id": job_id, "error": reason or "unreadable", "valid": False}
             elif reason:
                 job["error"] = reason
+        if state == "done" and job.get("valid") is not False:
+            job = record.as_done(job)
         job["state"] = state
         job["file"] = os.path.join(self.path, state, name)
         if st is not None:

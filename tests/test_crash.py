@@ -507,8 +507,10 @@ def test_a_cancel_killed_at_any_step_leaves_a_job_that_runs_or_one_that_is_cance
     job_id = s.enqueue("--id", "after-move", "echo ran")
     cancel_killed_on("pwrite64")  # moved, record not yet rewritten: in done/, never run
     assert s.where(job_id) == ["done"] and "outcome" not in s.record("done", job_id)
+    assert s.show(job_id)["outcome"] == "cancelled"  # read as what it is before any compaction
     s.work()
     assert "stdout" not in s.record("done", job_id)
+    assert json.loads(s.run("stats", "--json").stdout)["total"]["cancelled"] == 1
     s.run("compact")
     job = s.show(job_id)
     assert job["compacted"] is True and job["outcome"] == "cancelled" and "history" not in job

@@ -285,6 +285,19 @@ def test_a_job_left_behind_by_a_killed_purge_and_retried_replaces_its_row(fast_s
     s.drop("again.json", '{"command": "echo another job under that id"}', folder="done")
     s.run("compact")
     assert sorted(state for _, state in _rows(s)) == ["done", "done"] and len([i for i, _ in _rows(s) if ".dup-" in i]) == 1
+    # Review: the same, but retried and then cancelled, so it never ran again.
+    other = s.enqueue("--id", "cancelled-later", "--max-attempts", "1", "false")
+    s.work("-q")
+    left = s.path / "dead" / f"{other}.json"
+    data, mtime = left.read_bytes(), os.stat(left).st_mtime_ns
+    s.run("purge", "--dead", "--older-than", "0")
+    left.write_bytes(data)
+    os.utime(left, ns=(mtime, mtime))
+    s.run("retry", other)
+    s.run("cancel", other)
+    s.run("compact")
+    assert [row for row in _rows(s) if row[0].startswith(other)] == [(other, "done")]
+    assert s.show(other)["outcome"] == "cancelled" and s.status()["dead_purged"] == 0
 
 
 def test_the_readme_queries_run_on_a_real_index(fast_spool):
