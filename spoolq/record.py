@@ -178,10 +178,10 @@ def validate(job: dict, name_id: str | None = None) -> None:
     if max_attempts is not None and (
         not isinstance(max_attempts, int) or isinstance(max_attempts, bool) or max_attempts < 1
     ):
-        raise InvalidJob(f"max_attempts must be an integer >= 1, not {max_attempts!r}")
+        raise InvalidJob(f"max_attempts must be an integer >= 1, not {repr(max_attempts)[:40]}")
     timeout = job.get("timeout")
     if timeout is not None and (not _is_number(timeout) or timeout < 0 or timeout > MAX_TIMEOUT):
-        raise InvalidJob(f"timeout must be a number of seconds from 0 to {MAX_TIMEOUT:g}, not {timeout!r}")
+        raise InvalidJob(f"timeout must be a number of seconds from 0 to {MAX_TIMEOUT:g}, not {repr(timeout)[:40]}")
     if job.get("run_at") is not None:
         try:
             parse_time(job["run_at"])
@@ -213,8 +213,14 @@ def validate(job: dict, name_id: str | None = None) -> None:
         raise InvalidJob("history must be a list")
 
 
+# Fields spoolq writes into a record as it runs the job (the rest are the
+# producer's; an id may be either, and is short).
+SPOOLQ_FIELDS = frozenset(("id", "history", "history_dropped", "attempts", "state", "outcome", "exit_code", "error",
+                           "stdout", "stderr", "result", "result_dropped", "created_at", "finished_at",
+                           "failed_at", "retried_at"))
+
 # A record spoolq has written (one with a history) may be this much larger
-# than max_job_bytes. A finish trims what runs add to fit the limit (see
+# than max_job_bytes, as long as the producer's own fields fit in it. A finish trims what runs add to fit the limit (see
 # transitions._fitted), but a job enqueued within a few hundred bytes of it
 # has no room for even one history entry; without the slack it would go dead
 # for its own bookkeeping. A file no worker has run gets none.
@@ -240,7 +246,7 @@ def parse_sized(data: bytes, job_id: str, limit: int) -> dict:
         job = parse(data, job_id) if len(data) <= limit + RECORD_SLACK else None
     except InvalidJob:
         job = None
-    if job is None or not job.get("history"):
+    if job is None or not job.get("history") or len(dumps({k: v for k, v in job.items() if k not in SPOOLQ_FIELDS})) > limit:
         raise InvalidJob(f"{len(data)} bytes, larger than max_job_bytes ({limit})")
     return job
 

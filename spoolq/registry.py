@@ -225,6 +225,11 @@ class DeadRegistration:
             killed += procs.kill_run(worker_id, boot, None, None)
         return killed
 
+    def note_run(self, job_id: str, attempt: int) -> None:
+        """List a run of this dead worker that it had not written down."""
+        self.info["jobs"] = dict(self.jobs, **{job_id: {"attempt": attempt}})
+        self.held.rewrite((json.dumps(self.info, separators=(",", ":")) + "\n").encode(), durable=False)
+
     def forget(self, job_ids: set[str]) -> None:
         """Drop the entries of runs that have been recovered, so a later
         recovery does not act on them again."""

@@ -539,8 +539,10 @@ def cancel(ctx: Context, job_id: str) -> None:
         # so (compaction knows it by its state: see index.fold). Rewritten
         # first, a crash left a record saying done in new/, which a worker
         # would run and its recovery then take for a recorded finish.
+        data = record.dumps(job)
         held.move("done")
-        held.rewrite(record.dumps(job))
+        held.rewrite(data)
+        ctx.spool.sync_dir("done")  # the rewrite's rename (fsync on) as durable as the move was
     finally:
         held.release()
 
@@ -594,6 +596,7 @@ def _retry_held(ctx: Context, held: Held) -> None:
         job["attempts"] = 0
         job["retried_at"] = rfc3339()
         held.rewrite(record.dumps(job))
+        ctx.spool.sync_dir("new")  # the rewrite's rename (fsync on) as durable as the move was
     try:
         held.set_mtime(time.time_ns())  # due now (its mtime, from when it died, is past anyway)
     except OSError:
@@ -695,7 +698,8 @@ def _recover_batch(ctx: Context, report: RecoveryReport, batch: int, tried: set[
                 if job_id not in runs or entry["attempt"] > runs[job_id][1]["attempt"]:
                     runs[job_id] = (reg, entry)
         for h in held:
-            _recover_one(ctx, h, runs.get(id_of(h.name)), staged.get(h.name, ()), report)
+            _recover_one(ctx, h, runs.get(id_of(h.name)), staged.get(h.name, ()), report,
+                         dead_workers[0] if dead_workers else None)
         for reg in dead_workers:
             # Clear a registration only when none of its jobs is left in cur/
             # for another recovery (which holds it right now) to handle; else
@@ -715,10 +719,10 @@ def _recover_batch(ctx: Context, report: RecoveryReport, batch: int, tried: set[
 
 
 def _recover_one(ctx: Context, held: Held, run: tuple | None, staged: tuple[str, ...] | list[str],
-                 report: RecoveryReport) -> None:
+                 report: RecoveryReport, spare_reg: registry.DeadRegistration | None = None) -> None:
     staged_held: list[Held] = []
     try:
-        _recover_held(ctx, held, run, staged, staged_held, report)
+        _recover_held(ctx, held, run, staged, staged_held, report, spare_reg)
         # Only now, with the job out of cur/, are its staged records spent.
         for h in staged_held:
             h.unlink()
@@ -728,7 +732,8 @@ def _recover_one(ctx: Context, held: Held, run: tuple | None, staged: tuple[str,
 
 
 def _recover_held(ctx: Context, held: Held, run: tuple | None, staged: tuple[str, ...] | list[str],
-                  staged_held: list[Held], report: RecoveryReport) -> None:
+                  staged_held: list[Held], report: RecoveryReport,
+                  spare_reg: registry.DeadRegistration | None = None) -> None:
     try:
         job = check(ctx, held.st, held.read, held.name)
     except InvalidJob:
@@ -760,6 +765,15 @@ def _recover_held(ctx: Context, held: Held, run: tuple | None, staged: tuple[str
         try:
             start = record.parse_time(started)
         except ValueError:
+            pass
+    if entry is None and spare_reg is not None:
+        # No registration lists this run (its worker died before writing it
+        # down). The interrupted record written next says it is run
+        # ``run_attempt``; should this recovery die before moving it on, the
+        # next one must find the run listed, or it counts it a second time.
+        try:
+            spare_reg.note_run(job["id"], run_attempt)
+        except OSError:
             pass
     job["attempts"] = run_attempt - 1
     out = Outcome(start=start, end=time.time(), error="interrupted: the worker running it died", interrupted=True)

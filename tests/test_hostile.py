@@ -295,7 +295,11 @@ def test_a_record_spoolq_writes_never_outgrows_max_job_bytes(fast_spool, tmp_pat
     odd = {"command": "exit 1", "max_attempts": 40, "history_dropped": "x", "state": "failed", "attempts": 30,
            "history": [{"attempt": i, "error": "e" * 620} for i in range(1, 31)]}
     s.drop("odd.json", json.dumps(odd, separators=(",", ":")))
+    # Review: a producer's file does not get the slack for spoolq's own records by adding a history.
+    posing = {"command": "true", "history": [0], "pad": "p" * (limit + 1000)}
+    s.drop("posing.json", json.dumps(posing, separators=(",", ":")))
     s.run("work", "--app", "bigresult:HANDLERS", cwd=str(tmp_path))
+    assert s.where("posing") == ["dead"] and "larger than max_job_bytes" in s.show("posing")["error"]
     for job_id, error in (("full", "exit status 1"), ("shout", "RuntimeError: " + "x" * 1986 + "... (30014 characters)")):
         job = s.show(job_id)
         assert job["state"] == "dead" and job["error"] == error, job_id
