@@ -220,10 +220,10 @@ SPOOLQ_FIELDS = frozenset(("id", "history", "history_dropped", "attempts", "stat
                            "failed_at", "retried_at"))
 
 # A record spoolq has written (one with a history) may be this much larger
-# than max_job_bytes, as long as the producer's own fields fit in it. A finish trims what runs add to fit the limit (see
-# transitions._fitted), but a job enqueued within a few hundred bytes of it
-# has no room for even one history entry; without the slack it would go dead
-# for its own bookkeeping. A file no worker has run gets none.
+# than max_job_bytes, as long as the producer's own fields fit in it. A
+# finish trims what runs add to fit the limit (see transitions._fitted), but
+# a job enqueued within a few hundred bytes of it has no room for even one
+# history entry; without the slack it would go dead for its own bookkeeping.
 RECORD_SLACK = 64 * 1024
 
 
@@ -239,14 +239,16 @@ def as_done(job: dict) -> dict:
 def parse_sized(data: bytes, job_id: str, limit: int) -> dict:
     """``parse``, for a file read up to ``limit`` (max_job_bytes) plus
     RECORD_SLACK and one byte: larger than ``limit`` is invalid, unless the
-    record is spoolq's own (it has a history) and within the slack."""
+    record is spoolq's own (it has a history), within the slack, and its
+    producer's fields alone fit in ``limit``."""
     if len(data) <= limit:
         return parse(data, job_id)
     try:
         job = parse(data, job_id) if len(data) <= limit + RECORD_SLACK else None
     except InvalidJob:
         job = None
-    if job is None or not job.get("history") or len(dumps({k: v for k, v in job.items() if k not in SPOOLQ_FIELDS})) > limit:
+    if job is None or not job.get("history") or \
+            len(dumps({k: v for k, v in job.items() if k not in SPOOLQ_FIELDS})) > limit:
         raise InvalidJob(f"{len(data)} bytes, larger than max_job_bytes ({limit})")
     return job
 

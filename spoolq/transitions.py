@@ -411,8 +411,8 @@ def _fitted(job: dict, limit: int) -> bytes:
     a record spoolq writes must never be one it refuses to read (a job
     enqueued near the limit would go dead for its own stderr tail). Cut in
     turn: the output tails (their starts), the result (noted as dropped),
-    the oldest history entries (counted). Only the job's own fields, which
-    fit when it was claimed, are never cut."""
+    the oldest history entries (counted). The job's own fields are never
+    cut: for a job that leaves no room, see record.RECORD_SLACK."""
     data = record.dumps(job)
     for key in ("stdout", "stderr"):
         while len(data) > limit and isinstance(job.get(key), str):
@@ -536,7 +536,7 @@ def cancel(ctx: Context, job_id: str) -> None:
         job["finished_at"] = rfc3339()
         # Moved first, rewritten after (locked throughout): a crash in between
         # leaves a job in done/ that never runs, its record not yet saying
-        # so (compaction knows it by its state: see index.fold). Rewritten
+        # so (one without an outcome reads as cancelled: record.as_done). Rewritten
         # first, a crash left a record saying done in new/, which a worker
         # would run and its recovery then take for a recorded finish.
         data = record.dumps(job)
