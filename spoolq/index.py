@@ -95,6 +95,21 @@ def _sql_row(row: tuple) -> tuple:
     return tuple(map(_sql, row))
 
 
+_UNBINDABLE = (UnicodeEncodeError, OverflowError)  # what sqlite3 raises binding such a value
+
+
+def _insert(db: sqlite3.Connection, sql: str, rows: list[tuple]) -> sqlite3.Cursor:
+    """Insert ``rows``, made bindable (``_sql``) only when one is not: the
+    check costs more than SQLite's own bind, and nearly every row binds as
+    it is. (A value that does not bind fails before its row is stored;
+    rows before it in ``rows`` are stored again, so ``sql`` must be an
+    INSERT OR REPLACE or OR IGNORE, or ``rows`` one row.)"""
+    try:
+        return db.executemany(sql, rows)
+    except _UNBINDABLE:
+        return db.executemany(sql, [_sql_row(row) for row in rows])
+
+
 def _later_version(old: dict, old_finished: float, new: dict, new_finished: float) -> bool:
     """Whether ``new`` is a later record of ``old``'s job: created at the
     same time (an enqueue's time to the microsecond, or a dropped file's
@@ -125,7 +140,7 @@ def _time(value: Any) -> float | None:
 def job_row(job: dict, state: str, finished_at: float) -> tuple:
     argv = job.get("argv")
     history = job.get("history") if isinstance(job.get("history"), list) else []
-    return _sql_row((
+    return (
         job["id"], state, job.get("outcome") if state == "done" else None,
         job.get("kind") if isinstance(job.get("kind"), str) else None,
         job.get("command") if isinstance(job.get("command"), str) else None,
@@ -138,7 +153,7 @@ def job_row(job: dict, state: str, finished_at: float) -> tuple:
         _time(job.get("created_at")),
         finished_at,
         json.dumps(job, ensure_ascii=False),
-    ))
+    )
 
 
 def run_rows(job: dict) -> list[tuple]:
@@ -149,7 +164,7 @@ def run_rows(job: dict) -> list[tuple]:
         if not isinstance(h, dict):
             continue
         due, start, end = _time(h.get("due")), _time(h.get("start")), _time(h.get("end"))
-        rows.append(_sql_row((
+        rows.append((
             job["id"], h.get("attempt") if isinstance(h.get("attempt"), int) else i + 1, target,
             h.get("worker") if isinstance(h.get("worker"), str) else None,
             due, start, end,
@@ -157,7 +172,7 @@ def run_rows(job: dict) -> list[tuple]:
             max(0.0, end - start) if end is not None and start is not None else None,
             h.get("exit_code") if isinstance(h.get("exit_code"), int) else None,
             h.get("error") if isinstance(h.get("error"), str) else None,
-        )))
+        ))
     return rows
 
 
@@ -236,7 +251,7 @@ class Index:
         db.execute("BEGIN IMMEDIATE")
         try:
             for job, state, finished_at in jobs:
-                if db.execute(insert_job, job_row(job, state, finished_at)).rowcount == 0:
+                if _insert(db, insert_job, [job_row(job, state, finished_at)]).rowcount == 0:
                     key = _sql(job["id"])
                     old_record, old_state, old_finished = db.execute(
                         "SELECT record, state, finished_at FROM jobs WHERE id = ?", (key,)).fetchone()
@@ -252,9 +267,9 @@ class Index:
                         db.execute("DELETE FROM jobs WHERE id = ?", (key,))
                     else:
                         job = dict(job, id=id_of(duplicate_name(file_name(job["id"]))), duplicate_of=job["id"])
-                    db.execute(insert_job, job_row(job, state, finished_at))
+                    _insert(db, insert_job, [job_row(job, state, finished_at)])
                 runs = run_rows(job)
-                db.executemany(insert_runs, runs)
+                _insert(db, insert_runs, runs)
                 _tally(counts, job, state, runs, 1)
                 stored.append(job["id"])
             for name, n in counts.items():
@@ -458,9 +473,9 @@ def stats(index: Index, extra_jobs: list[tuple[dict, str, float]], since: float 
     db.execute("CREATE TEMP TABLE extra_jobs AS SELECT * FROM main.jobs WHERE 0")
     db.execute("CREATE TEMP TABLE extra_runs AS SELECT * FROM main.runs WHERE 0")
     db.executemany(f"INSERT INTO temp.extra_jobs VALUES ({', '.join('?' * len(JOB_COLUMNS))})",
-                   [job_row(j, s, f) for j, s, f in extra_jobs])
+                   [_sql_row(job_row(j, s, f)) for j, s, f in extra_jobs])
     db.executemany(f"INSERT INTO temp.extra_runs VALUES ({', '.join('?' * len(RUN_COLUMNS))})",
-                   [r for j, _, _ in extra_jobs for r in run_rows(j)])
+                   [_sql_row(r) for j, _, _ in extra_jobs for r in run_rows(j)])
     db.execute("DROP VIEW IF EXISTS temp.all_jobs")
     db.execute("DROP VIEW IF EXISTS temp.all_runs")
     db.execute("CREATE TEMP VIEW all_jobs AS SELECT * FROM main.jobs UNION ALL SELECT * FROM temp.extra_jobs")
