@@ -8,9 +8,9 @@
 """
 
 from .record import InvalidJob
-from .spool import DuplicateId, Spool
+from .spool import DuplicateId, PartlyEnqueued, Spool
 
-__all__ = ["Spool", "Permanent", "InvalidJob", "DuplicateId"]
+__all__ = ["Spool", "Permanent", "InvalidJob", "DuplicateId", "PartlyEnqueued"]
 __version__ = "0.1.0"
 
 

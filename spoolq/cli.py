@@ -17,7 +17,7 @@ import click
 
 from . import output, record
 from .output import dumps, echo, fail, one_line
-from .spool import Spool
+from .spool import PartlyEnqueued, Spool
 
 STATE_CHOICE = click.Choice(["new", "cur", "failed", "dead", "done"])
 
@@ -201,7 +201,12 @@ def enqueue(ctx, args, use_argv, kind, payload, job_json, jsonl, job_id, max_att
         if job_id is not None:
             fail("--id cannot apply to many jobs; put an id in each line", 2)
         jobs = list(_read_jsonl(jsonl, options))
-        _print_ids(spool.enqueue_many(jobs))
+        try:
+            ids = spool.enqueue_many(jobs)
+        except PartlyEnqueued as e:
+            _print_ids(e.ids)  # these will run: a caller must not enqueue them again
+            raise
+        _print_ids(ids)
         return
     if job_json is not None:
         if job_json == "-" and sys.stdin is None:

@@ -16,7 +16,7 @@ import time
 from typing import Any, Callable, Iterator, Mapping
 
 from . import config, record
-from .protocol import STATES, Exists, NotRegular, SpoolDir, file_name, id_of, id_problem, new_id, refuse_non_directory
+from .protocol import STATES, Exists, NotRegular, SpoolDir, SpoolError, file_name, id_of, id_problem, new_id, refuse_non_directory
 from .record import InvalidJob
 
 _UNSET = object()
@@ -24,6 +24,17 @@ _UNSET = object()
 
 class DuplicateId(Exception):
     """An id that is already present in the spool (a state folder or the index)."""
+
+
+class PartlyEnqueued(SpoolError):
+    """``enqueue_many`` failed after it had published some of its jobs
+    (a full disk, a duplicate id met at the last step): ``ids`` are the
+    jobs that are in ``new/`` and will run, in order; the rest are not."""
+
+    def __init__(self, ids: list[str], total: int, cause: str):
+        super().__init__(f"only the first {len(ids)} of {total} jobs were enqueued; the rest were not: {cause}")
+        self.ids = ids
+        self.total = total
 
 
 class Spool:
@@ -184,7 +195,9 @@ class Spool:
         """Enqueue many jobs with one sync for the lot (group commit).
 
         Every job is validated first; if one is invalid nothing is enqueued
-        (InvalidJob names its position). Returns the ids in order."""
+        (InvalidJob names its position). Returns the ids in order. Should
+        the disk fail part way (or a duplicate id turn up at the last
+        step), PartlyEnqueued says which jobs were enqueued."""
         self._open(create=True)
         now = time.time()
         items = []
@@ -204,8 +217,16 @@ class Spool:
             items.append((file_name(job_id), data, mtime_ns))
         try:
             names = self.dir.publish_many(items)
-        except Exists as e:
-            raise DuplicateId(f"id {id_of(str(e))} is already in new/; the jobs before it were enqueued") from None
+        except Exception as e:
+            published = [id_of(n) for n in getattr(e, "published", ())]
+            cause = f"id {id_of(str(e))} is already in new/" if isinstance(e, Exists) else _reason(e)
+            if not published:
+                if isinstance(e, Exists):
+                    raise DuplicateId(cause) from None
+                raise
+            # Some are in new/ already and will run: say which, or a caller
+            # that tries the whole batch again runs them twice.
+            raise PartlyEnqueued(published, len(items), cause) from e
         return [id_of(n) for n in names]
 
     # -- looking -----------------------------------------------------------
@@ -498,3 +519,10 @@ def load_app(spec: str) -> dict[str, Callable[[Any], Any]]:
 
 def to_json(job: dict[str, Any]) -> str:
     return json.dumps(job, ensure_ascii=False, sort_keys=False)
+
+
+def _reason(error: Exception) -> str:
+    """An error as a short reason: an OSError's words, not its repr."""
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    return str(error) or type(error).__name__

@@ -161,6 +161,31 @@ def test_enqueue_on_a_full_disk_fails_cleanly(tiny_fs):
     assert s.where(kept) == ["done"]
 
 
+@pytest.mark.skipif(shutil.which("strace") is None, reason="strace is not installed (apt-get install strace)")
+def test_a_bulk_enqueue_that_fails_part_way_names_the_jobs_it_enqueued(spool):
+    """Audit: a full disk met while --jsonl moved its files into new/ (a
+    folder that must grow) printed only the error, with no ids, though the
+    jobs before it were in new/ and would run: a caller trying the batch
+    again ran them twice. The fourth move fails here (strace injects ENOSPC)."""
+    s = spool
+    s.run("init")
+    lines = "".join(json.dumps({"command": "true", "id": f"bulk-{i}"}) + "\n" for i in range(10))
+    proc = subprocess.run(["strace", "-qq", "-o", os.devnull, "-e", "trace=renameat2", "-e", "inject=renameat2:error=ENOSPC:when=4",
+                           *SPOOLQ, "-s", str(s.path), "enqueue", "--jsonl", "-"], input=lines, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert proc.stdout.split() == ["bulk-0", "bulk-1", "bulk-2"] == s.ids("new")
+    assert proc.stderr == "spoolq: only the first 3 of 10 jobs were enqueued; the rest were not: No space left on device\n"
+    assert s.names("tmp") == []
+    # The API says the same with PartlyEnqueued.
+    script = ("import spoolq, sys\nq = spoolq.Spool(sys.argv[1])\n"
+              "try:\n    q.enqueue_many([{'command': 'true'}] * 5)\n"
+              "except spoolq.PartlyEnqueued as e:\n    print(len(e.ids), e.total, all(q.get(i)['state'] == 'new' for i in e.ids))\n")
+    proc = subprocess.run(["strace", "-qq", "-o", os.devnull, "-e", "trace=renameat2", "-e", "inject=renameat2:error=ENOSPC:when=3",
+                           sys.executable, "-c", script, str(s.path)], capture_output=True, text=True, timeout=60)
+    assert proc.stdout == "2 5 True\n", proc.stderr
+    assert len(s.ids("new")) == 5 and s.names("tmp") == []
+
+
 def test_a_running_worker_keeps_its_job_when_the_disk_fills(tiny_fs):
     s = SpoolFixture(tiny_fs / "spool")
     s.run("init")
