@@ -396,10 +396,18 @@ def cancel(ctx, job_id):
     output.refuse_bad_ids((job_id,))
     spool = _existing(ctx)
     try:
-        spool.cancel(job_id, check=True)
+        spool.cancel(job_id, check=True, on_note=_note)
     except (JobNotFound, NotPossible) as e:
         fail(str(e), 1)
     echo(f"cancelled {job_id}")
+
+
+def _note(message: str) -> None:
+    """Something done, with a caveat (not a failure: the exit status stays 0)."""
+    try:
+        echo(f"spoolq: note: {one_line(message)}", err=True)
+    except OSError:
+        pass  # stderr on the full disk the note is about: the change is made all the same
 
 
 @cli.command()
@@ -425,14 +433,14 @@ def _retry(ctx, job_ids, all_):
             echo(f"spoolq: {one_line(message)}", err=True)
             problems += 1
 
-        for jid in spool.retry_all(on_problem=report):
+        for jid in spool.retry_all(on_problem=report, on_note=_note):
             echo(one_line(jid))
         if problems:
             sys.exit(1)
         return
     for jid in job_ids:
         try:
-            spool.retry(jid, check=True)
+            spool.retry(jid, check=True, on_note=_note)
             echo(one_line(jid))
         except (JobNotFound, NotPossible) as e:
             echo(f"spoolq: {one_line(str(e))}", err=True)

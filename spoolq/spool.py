@@ -400,41 +400,45 @@ class Spool:
 
     # -- changing ----------------------------------------------------------
 
-    def cancel(self, job_id: str, check: bool = False) -> bool:
+    def cancel(self, job_id: str, check: bool = False, on_note: Callable[[str], None] | None = None) -> bool:
         """Cancel a waiting job (new/ or failed/ -> done/, outcome cancelled).
         Returns whether it was cancelled; with ``check``, raises JobNotFound
-        or NotPossible with the reason instead of returning False."""
+        or NotPossible with the reason instead of returning False.
+        ``on_note(message)`` hears of a job cancelled whose record could not
+        be updated after its move (a full disk): it reads as cancelled."""
         from . import transitions
 
         self._open()
         try:
-            transitions.cancel(self.context(), job_id)
+            transitions.cancel(self.context(), job_id, on_note)
             return True
         except (transitions.JobNotFound, transitions.NotPossible):
             if check:
                 raise
             return False
 
-    def retry(self, job_id: str, check: bool = False) -> bool:
-        """Move a dead job back to new/ with a fresh round of attempts."""
+    def retry(self, job_id: str, check: bool = False, on_note: Callable[[str], None] | None = None) -> bool:
+        """Move a dead job back to new/ with a fresh round of attempts
+        (``check`` and ``on_note`` as for ``cancel``)."""
         from . import transitions
 
         self._open()
         try:
-            transitions.retry(self.context(), job_id)
+            transitions.retry(self.context(), job_id, on_note)
             return True
         except (transitions.JobNotFound, transitions.NotPossible):
             if check:
                 raise
             return False
 
-    def retry_all(self, on_problem: Callable[[str], None] | None = None) -> list[str]:
+    def retry_all(self, on_problem: Callable[[str], None] | None = None,
+                  on_note: Callable[[str], None] | None = None) -> list[str]:
         """Move every dead job back to new/; returns their ids. One that
         cannot go stays in dead/ unchanged; ``on_problem(message)`` says why."""
         from . import transitions
 
         self._open()
-        return transitions.retry_all(self.context(), on_problem)
+        return transitions.retry_all(self.context(), on_problem, on_note)
 
     def sweep(self):
         """The recovery step alone: return abandoned jobs from cur/ (killing

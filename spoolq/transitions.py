@@ -500,9 +500,11 @@ def locate(ctx: Context, job_id: str) -> tuple[str, str] | None:
     return ctx.spool.find((file_name(job_id), job_id))
 
 
-def cancel(ctx: Context, job_id: str) -> None:
+def cancel(ctx: Context, job_id: str, on_note: Callable[[str], None] | None = None) -> None:
     """A waiting job (new/ or failed/) goes to done/ with outcome cancelled.
-    Raises JobNotFound, or NotPossible for a running or finished job."""
+    Raises JobNotFound, or NotPossible for a running or finished job.
+    ``on_note(message)`` hears of a record that could not be rewritten
+    after the move (a full disk): the job is cancelled all the same."""
     # A waiting file is locked only for a moment: while a worker claims it
     # (then it is in cur/ and running) or prepares it ahead of the job it is
     # running (then it is let go within LOOK_AHEAD_HOLD). Wait that out.
@@ -541,15 +543,16 @@ def cancel(ctx: Context, job_id: str) -> None:
         # would run and its recovery then take for a recorded finish.
         data = record.dumps(job)
         held.move("done")
-        held.rewrite(data)
-        ctx.spool.sync_dir("done")  # the rewrite's rename (fsync on) as durable as the move was
+        _rewrite_after_move(ctx, held, data, "done", on_note,
+                            f"job {job_id} is cancelled, but its record could not be updated", "it reads as cancelled")
     finally:
         held.release()
 
 
-def retry(ctx: Context, job_id: str) -> None:
+def retry(ctx: Context, job_id: str, on_note: Callable[[str], None] | None = None) -> None:
     """A dead job back to new/, due now, with a fresh round of attempts
-    (its history is kept). Raises JobNotFound or NotPossible."""
+    (its history is kept). Raises JobNotFound or NotPossible. ``on_note``
+    as for ``cancel``."""
     try:
         held = _find_held(ctx, job_id, ("dead",))
     except Busy:
@@ -568,12 +571,12 @@ def retry(ctx: Context, job_id: str) -> None:
             raise NotPossible(f"job {job_id} is moving (it just reached dead/); try again")
         raise NotPossible(f"job {job_id} is in {where[0]}/, not dead/")
     try:
-        _retry_held(ctx, held)
+        _retry_held(ctx, held, on_note)
     finally:
         held.release()
 
 
-def _retry_held(ctx: Context, held: Held) -> None:
+def _retry_held(ctx: Context, held: Held, on_note: Callable[[str], None] | None) -> None:
     try:
         job = check(ctx, held.st, held.read, held.name)
     except InvalidJob:
@@ -595,17 +598,34 @@ def _retry_held(ctx: Context, held: Held) -> None:
         job["state"] = "new"
         job["attempts"] = 0
         job["retried_at"] = rfc3339()
-        held.rewrite(record.dumps(job))
-        ctx.spool.sync_dir("new")  # the rewrite's rename (fsync on) as durable as the move was
+        _rewrite_after_move(ctx, held, record.dumps(job), "new", on_note,
+                            f"job {id_of(target)} is back in new/, but its record could not be updated",
+                            "a worker still gives it a fresh round")
     try:
         held.set_mtime(time.time_ns())  # due now (its mtime, from when it died, is past anyway)
     except OSError:
         pass  # another user's file we may not touch
 
 
-def retry_all(ctx: Context, on_problem: Callable[[str], None] | None = None) -> list[str]:
+def _rewrite_after_move(ctx: Context, held: Held, data: bytes, folder: str, on_note: Callable[[str], None] | None,
+                        what: str, meaning: str) -> None:
+    """The rewrite that follows the move of a cancel or a retry. The move
+    was the change itself, so an error now (a full disk) does not undo it:
+    the record stays as it was, which reads right (``meaning``), and
+    ``on_note`` hears of it rather than the caller being told it failed."""
+    try:
+        held.rewrite(data)
+        ctx.spool.sync_dir(folder)  # the rewrite's rename (fsync on) as durable as the move was
+    except OSError as e:
+        if on_note:
+            on_note(f"{what} ({e.strerror or e}); {meaning}")
+
+
+def retry_all(ctx: Context, on_problem: Callable[[str], None] | None = None,
+              on_note: Callable[[str], None] | None = None) -> list[str]:
     """Every dead job back to new/; returns the ids moved. A job that
-    cannot go is left in dead/ unchanged, and ``on_problem(message)`` says why."""
+    cannot go is left in dead/ unchanged, and ``on_problem(message)`` says
+    why; ``on_note`` as for ``cancel``."""
     moved = []
     for name in sorted(ctx.spool.names("dead")):
         try:
@@ -620,11 +640,13 @@ def retry_all(ctx: Context, on_problem: Callable[[str], None] | None = None) -> 
             problem = f"dead/{name} cannot be opened: {e.strerror}"
         else:
             try:
-                _retry_held(ctx, held)
+                _retry_held(ctx, held, on_note)
                 moved.append(id_of(name))
                 continue
             except NotPossible as e:
                 problem = str(e)
+            except OSError as e:  # e.g. new/ cannot grow on a full disk: the others may still go
+                problem = f"dead/{name} cannot be moved: {e.strerror or e}"
             finally:
                 held.release()
         if on_problem:

@@ -186,6 +186,40 @@ def test_a_bulk_enqueue_that_fails_part_way_names_the_jobs_it_enqueued(spool):
     assert len(s.ids("new")) == 5 and s.names("tmp") == []
 
 
+@pytest.mark.skipif(shutil.which("strace") is None, reason="strace is not installed (apt-get install strace)")
+def test_a_cancel_or_retry_whose_record_cannot_be_rewritten_after_the_move_still_succeeds(spool):
+    """Audit: on a full disk, cancel and retry moved the job and then failed
+    to rewrite its record, and said "No space left on device" with exit 1:
+    the job was cancelled (or would run) all the same. They now succeed and
+    add a note; retry --all goes on with the other jobs. strace makes the
+    rewrite's write fail (it is the first write of each command)."""
+    s = spool
+    s.config("backoff_initial", 0)
+    s.enqueue("--id", "later", "--in", "1h", "echo ran")
+    for job_id in ("d1", "d2"):
+        s.enqueue("--id", job_id, "--max-attempts", "1", "false")
+    s.work()
+    assert s.ids("dead") == ["d1", "d2"]
+
+    def failing_write(*args: str, when: str = "1") -> subprocess.CompletedProcess:
+        return subprocess.run(["strace", "-qq", "-o", os.devnull, "-e", "trace=write", "-e", f"inject=write:error=ENOSPC:when={when}",
+                               *SPOOLQ, "-s", str(s.path), *args], capture_output=True, text=True, timeout=60)
+
+    proc = failing_write("cancel", "later")
+    assert proc.returncode == 0 and proc.stdout == "cancelled later\n"
+    assert proc.stderr == ("spoolq: note: job later is cancelled, but its record could not be updated "
+                           "(No space left on device); it reads as cancelled\n")
+    assert s.where("later") == ["done"] and s.show("later")["outcome"] == "cancelled"
+    proc = failing_write("retry", "--all", when="1..3+2")  # both rewrites fail (the notes are writes 2 and 4)
+    assert proc.returncode == 0 and proc.stdout.split() == ["d1", "d2"]
+    assert proc.stderr.count("spoolq: note: ") == 2 and "d2 is back in new/, but its record could not be updated" in proc.stderr
+    assert s.names("tmp") == [] and s.ids("new") == ["d1", "d2"]
+    s.work()
+    for job_id in ("d1", "d2"):  # a fresh round: one more run, then dead again
+        job = s.show(job_id)
+        assert job["state"] == "dead" and job["attempts"] == 1 and len(job["history"]) == 2
+
+
 def test_a_running_worker_keeps_its_job_when_the_disk_fills(tiny_fs):
     s = SpoolFixture(tiny_fs / "spool")
     s.run("init")
