@@ -482,6 +482,9 @@ def sweep(ctx):
         f"recovered {r.recovered} to failed/, {r.dead} to dead/, completed {r.completed}, "
         f"quarantined {r.quarantined}, killed {r.killed} processes, removed {r.tmp_removed} tmp/ files"
     )
+    if r.left_running:
+        echo(f"left {r.left_running} jobs in cur/: their processes still run and are another user's to kill "
+             "(they are recovered once those end)")
 
 
 @cli.command()

@@ -139,7 +139,8 @@ def find_run_processes(worker_id: str, pgid: int | None, spawn_window: tuple[int
 
 def kill_verified(pid: int, started: int, sig: int = signal.SIGKILL) -> bool:
     """Send ``sig`` to ``pid`` only if it is still the process that started
-    at ``started``. Returns whether a signal was sent."""
+    at ``started``. Returns whether a signal was sent; raises PermissionError
+    for a process that is there but not ours to signal (another user's)."""
     try:
         pidfd = os.pidfd_open(pid)
     except (OSError, AttributeError):
@@ -154,30 +155,34 @@ def kill_verified(pid: int, started: int, sig: int = signal.SIGKILL) -> bool:
         return True
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return False
     finally:
         if pidfd is not None:
             os.close(pidfd)
 
 
-def kill_run(worker_id: str, worker_boot: str, pgid: int | None, spawn_window: tuple[int, int] | None) -> int:
-    """Kill every process left from a dead worker's run; return how many.
+def kill_run(worker_id: str, worker_boot: str, pgid: int | None, spawn_window: tuple[int, int] | None) -> tuple[int, int]:
+    """Kill every process left from a dead worker's run. Returns (killed,
+    refused): how many were killed, and how many live on because they are
+    not ours to kill (another user's, in a shared spool).
 
     Nothing is killed when the worker ran in an earlier boot (its processes
     died with that boot) or when its boot is unknown."""
     if not worker_boot or worker_boot != boot_id():
-        return 0
+        return 0, 0
     killed = 0
+    refused: set[int] = set()
     for _ in range(50):  # a process may fork while we kill; repeat until none is left
-        found = find_run_processes(worker_id, pgid, spawn_window)
+        found = [(pid, started) for pid, started in find_run_processes(worker_id, pgid, spawn_window) if pid not in refused]
         if not found:
             break
         for pid, started in found:
-            if kill_verified(pid, started):
-                killed += 1
+            try:
+                if kill_verified(pid, started):
+                    killed += 1
+            except PermissionError:
+                refused.add(pid)
         time.sleep(0.01)  # give the kernel a moment to reap what we killed
-    return killed
+    return killed, len(refused)
 
 
 _file_limit: int | None = None

@@ -196,6 +196,9 @@ class DeadRegistration:
         # this file is a copy (or a leftover) of a live worker's, whose
         # processes are not ours to kill.
         self.worker_alive = False
+        # Jobs whose runs left processes this recovery may not kill (another
+        # user's): they stay in cur/ until those end (see kill_processes).
+        self.unkillable: set[str] = set()
 
     @property
     def jobs(self) -> dict[str, dict[str, Any]]:
@@ -205,24 +208,33 @@ class DeadRegistration:
     def kill_processes(self) -> int:
         """Kill whatever the dead worker's runs left alive: only for a worker
         of this host (another host's, or another container's, pids are not
-        ours to see) and of this boot."""
+        ours to see) and of this boot. Returns how many were killed. A run
+        whose processes live on because they are not ours to kill (a worker
+        of another user died, in a shared spool) is put in ``unkillable``:
+        its job must stay in cur/, or it would run twice at once."""
         killed = 0
         worker_id = str(self.info.get("worker", ""))
         boot = str(self.info.get("boot_id", ""))
         if self.info.get("host") != os.uname().nodename or self.worker_alive:
             return 0
-        for entry in self.jobs.values():
+        for job_id, entry in self.jobs.items():
             if not isinstance(entry, dict):
                 continue
             pgid = entry.get("pgid") if isinstance(entry.get("pgid"), int) else None
             window = entry.get("spawned")
             if not (isinstance(window, list) and len(window) == 2 and all(isinstance(t, int) for t in window)):
                 window = None
-            killed += procs.kill_run(worker_id, boot, pgid, tuple(window) if window else None)
+            done, refused = procs.kill_run(worker_id, boot, pgid, tuple(window) if window else None)
+            killed += done
+            if refused:
+                self.unkillable.add(job_id)
         if worker_id:
             # The worker may have died between starting a process and
             # recording it: find those by the SPOOLQ_WORKER they inherited.
-            killed += procs.kill_run(worker_id, boot, None, None)
+            done, refused = procs.kill_run(worker_id, boot, None, None)
+            killed += done
+            if refused:  # whose run they belong to is not known: none of its jobs may go
+                self.unkillable.update(self.jobs)
         return killed
 
     def note_run(self, job_id: str, attempt: int) -> None:

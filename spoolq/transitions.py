@@ -665,6 +665,7 @@ class RecoveryReport:
     completed: int = 0  # runs that had finished but not moved on
     quarantined: int = 0
     killed: int = 0  # leftover processes killed
+    left_running: int = 0  # jobs left in cur/: their runs' processes live on, not ours to kill
     workers: int = 0  # dead worker registrations cleared
     tmp_removed: int = 0  # stale tmp/ files removed (sweep)
 
@@ -719,15 +720,23 @@ def _recover_batch(ctx: Context, report: RecoveryReport, batch: int, tried: set[
                 # latest attempt is the run that was interrupted.
                 if job_id not in runs or entry["attempt"] > runs[job_id][1]["attempt"]:
                     runs[job_id] = (reg, entry)
+        # A run whose processes live on and are not ours to kill (a worker of
+        # another user died) keeps its job in cur/, and its registration
+        # entry, until they end: recovered now, it would run twice at once.
+        still_running = set().union(*(reg.unkillable for reg in dead_workers))
+        recovered_ids = held_ids - still_running
         for h in held:
+            if id_of(h.name) in still_running:
+                report.left_running += 1
+                continue
             _recover_one(ctx, h, runs.get(id_of(h.name)), staged.get(h.name, ()), report,
                          dead_workers[0] if dead_workers else None)
         for reg in dead_workers:
             # Clear a registration only when none of its jobs is left in cur/
-            # for another recovery (which holds it right now) to handle; else
-            # just forget the runs recovered here.
-            if any(job_id not in held_ids and sp.find((file_name(job_id),), ("cur",)) for job_id in reg.jobs):
-                reg.forget(held_ids)
+            # for another recovery (which holds it right now) to handle, or
+            # for a later one; else just forget the runs recovered here.
+            if any(job_id not in recovered_ids and sp.find((file_name(job_id),), ("cur",)) for job_id in reg.jobs):
+                reg.forget(recovered_ids)
             else:
                 reg.remove()
                 report.workers += 1

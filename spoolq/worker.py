@@ -440,6 +440,9 @@ class Worker:
                 f"completed={report.completed} quarantined={report.quarantined} killed={report.killed}",
                 0,
             )
+        if report.left_running:
+            self.log.line(f"worker={self._wid} left {report.left_running} jobs of dead workers in cur/: "
+                          "their processes still run and are another user's to kill (recovered once they end)", 0)
         if removed:
             self.log.line(f"worker={self._wid} removed {removed} stale tmp/ files", 1)
 

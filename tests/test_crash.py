@@ -740,3 +740,73 @@ def test_a_prepared_job_replaced_under_its_name_runs_as_replaced(fast_spool, tmp
     done = s.show("edited")
     assert done["state"] == "done" and done["stdout"] == "edited\n"
     assert done["attempts"] == 1 and len(done["history"]) == 1
+
+
+def _as(user: str, gid: int) -> list[str]:
+    """A command prefix that runs as ``user`` with primary group ``gid``."""
+    return ["setpriv", f"--reuid={user}", f"--regid={gid}", "--clear-groups"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv (util-linux)")
+def test_recovery_leaves_a_job_whose_processes_are_another_users_until_they_end(tmp_path):
+    """Audit: in a shared spool, a worker of one user died with its job's
+    process still running; another user's recovery could not kill it (not
+    its process), said killed=0 and moved the job on, so it ran a second
+    time at once. The job now stays in cur/ until that process ends."""
+    import grp
+    import pwd
+    import tempfile
+
+    try:
+        users = [pwd.getpwnam(name).pw_name for name in ("nobody", "daemon")]
+        gid = grp.getgrnam("nogroup").gr_gid
+    except KeyError:
+        pytest.skip("needs the users nobody and daemon and the group nogroup")
+    base = tempfile.mkdtemp(prefix="spoolq-shared-")  # not under tmp_path: other users cannot enter that
+    try:
+        os.chmod(base, 0o755)
+        path = os.path.join(base, "spool")
+        runs = os.path.join(base, "runs")
+        probe = subprocess.run(_as(users[0], gid) + SPOOLQ + ["--version"], capture_output=True, text=True)
+        if probe.returncode != 0:
+            pytest.skip(f"spoolq cannot run as {users[0]} here: {probe.stderr.strip()[-200:]}")
+
+        def run(user: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+            proc = subprocess.run(_as(user, gid) + SPOOLQ + ["-s", path, *args], capture_output=True, text=True, timeout=60)
+            assert not check or proc.returncode == 0, proc.stderr
+            return proc
+
+        subprocess.run(SPOOLQ + ["-s", path, "init", "--group", "nogroup"], check=True, capture_output=True)
+        subprocess.run(SPOOLQ + ["-s", path, "config", "set", "trusted_users", ",".join(users)], check=True, capture_output=True)
+        subprocess.run(SPOOLQ + ["-s", path, "config", "set", "backoff_initial", "0"], check=True, capture_output=True)
+        open(runs, "w").close()
+        os.chmod(runs, 0o666)
+        run(users[0], "enqueue", "--id", "long", f'echo run >> {runs}; if [ "$SPOOLQ_ATTEMPT" = 1 ]; then exec sleep 300; fi')
+        worker = subprocess.Popen(_as(users[0], gid) + SPOOLQ + ["-s", path, "work"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            wait_for(lambda: open(runs).read() == "run\n", what="the job to start")
+            worker.kill()
+            worker.wait()
+            job_pids = [int(p) for p in os.listdir("/proc") if p.isdigit() and _alive(int(p))
+                        and open(f"/proc/{p}/cmdline", "rb").read() == b"sleep\x00300\x00"]
+            assert len(job_pids) == 1  # the job's process outlived its worker
+            out = run(users[1], "sweep").stdout
+            assert "recovered 0 to failed/" in out and "left 1 jobs in cur/" in out, out
+            assert os.listdir(os.path.join(path, "cur")) == ["long.json"] and _alive(job_pids[0])
+            os.kill(job_pids[0], signal.SIGKILL)  # its owner's doing
+            wait_for(lambda: not _alive(job_pids[0]), what="the job's process to end")
+            out = run(users[1], "sweep").stdout
+            assert "recovered 1 to failed/" in out and "left" not in out, out
+            run(users[1], "work")
+            assert open(runs).read() == "run\nrun\n"
+            job = json.loads(subprocess.run(SPOOLQ + ["-s", path, "show", "long", "--json"], capture_output=True,
+                                            text=True, check=True).stdout)
+            assert job["attempts"] == 2 and job["history"][0]["error"].startswith("interrupted")
+        finally:
+            if worker.poll() is None:
+                worker.kill()
+            worker.wait()
+    finally:
+        subprocess.run(["pkill", "-KILL", "-f", "^sleep 300$"], check=False)
+        shutil.rmtree(base, ignore_errors=True)
