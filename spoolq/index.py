@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import base64
 import errno
+import functools
 import json
+import os
+import stat
 import sqlite3
 import time
 from typing import Any, Iterator
@@ -176,30 +179,118 @@ def run_rows(job: dict) -> list[tuple]:
     return rows
 
 
+def _disk_full_explained(change):
+    """Decorate a change of the index: an SQLite error met on a full disk
+    (SQLite says "disk I/O error", or "readonly database" when it could
+    not size its -shm file) becomes the OSError it stands for."""
+
+    @functools.wraps(change)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return change(self, *args, **kwargs)
+        except sqlite3.Error as error:
+            try:
+                fs = os.statvfs(os.path.dirname(self.path) or ".")
+                full = fs.f_bavail == 0 or fs.f_favail == 0
+            except OSError:
+                full = False
+            if full:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.path) from error
+            raise
+
+    return wrapper
+
+
 class Index:
     """The SQLite history of one spool."""
 
-    def __init__(self, path: str, durable: bool = True):
+    def __init__(self, path: str, durable: bool = True, shared: bool = False):
         self.path = path
         self.durable = durable
+        self.shared = shared  # a group-shared spool: the database and its -wal and -shm files 0660
+        self.read_only = False  # the connection is the read-only fallback (see db)
         self._db: sqlite3.Connection | None = None
 
     @property
     def db(self) -> sqlite3.Connection:
+        """The connection: read-write, or, when that cannot be had (a full
+        disk, where WAL's -shm file cannot be made), read-only, so that
+        status and history still answer. A change reopens it (writable)."""
         if self._db is None:
-            db = sqlite3.connect(self.path, timeout=60, isolation_level=None, check_same_thread=False)
+            try:
+                self._db = self._open()
+            except sqlite3.Error as error:
+                try:
+                    self._db = self._open_read_only()
+                except sqlite3.Error:
+                    raise error from None
+                self.read_only = True
+        return self._db
+
+    def writable(self) -> sqlite3.Connection:
+        """The connection for a change: read-write, or the error why not."""
+        if self.read_only:
+            self.close()
+            self._db = self._open()
+        return self.db
+
+    def _open(self) -> sqlite3.Connection:
+        if self.shared:
+            self._share()
+        db = sqlite3.connect(self.path, timeout=60, isolation_level=None, check_same_thread=False)
+        try:
             db.execute("PRAGMA journal_mode=WAL")
             # FULL: a commit is on disk before compaction removes the files it holds.
             db.execute(f"PRAGMA synchronous={'FULL' if self.durable else 'NORMAL'}")
             if db.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:
                 db.executescript(f"BEGIN IMMEDIATE; {SCHEMA} PRAGMA user_version={SCHEMA_VERSION}; COMMIT;")
-            self._db = db
-        return self._db
+        except BaseException:
+            db.close()
+            raise
+        return db
+
+    def _open_read_only(self) -> sqlite3.Connection:
+        """The database opened read-only: ``mode=ro``, else ``immutable``
+        (which reads the main file alone, without what the -wal file holds
+        that was not yet checkpointed: a little behind, never wrong)."""
+        from urllib.parse import quote
+
+        for flags in ("mode=ro", "mode=ro&immutable=1"):
+            db = sqlite3.connect(f"file:{quote(self.path)}?{flags}", uri=True, timeout=60, isolation_level=None,
+                                 check_same_thread=False)
+            try:
+                db.execute("PRAGMA temp_store=MEMORY")  # stats builds temporary tables
+                if db.execute("PRAGMA user_version").fetchone()[0] >= SCHEMA_VERSION:
+                    return db
+            except sqlite3.Error:
+                pass
+            db.close()
+        raise sqlite3.OperationalError("cannot open index.db read-only")
+
+    def _share(self) -> None:
+        """Make the database 0660, and its -wal and -shm files (SQLite gives
+        them the database's mode): another user of the group must write them
+        too, whatever this process's umask."""
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o660)
+        except FileExistsError:
+            pass
+        else:
+            os.fchmod(fd, 0o660)
+            os.close(fd)
+        for path in (self.path, self.path + "-wal", self.path + "-shm"):
+            try:
+                st = os.lstat(path)
+                if st.st_uid == os.geteuid() and stat.S_ISREG(st.st_mode) and st.st_mode & 0o660 != 0o660:
+                    os.chmod(path, 0o660)
+            except OSError:
+                pass  # not there, or not ours: its owner's process mends it
 
     def close(self) -> None:
         if self._db is not None:
             self._db.close()
             self._db = None
+            self.read_only = False
 
     # -- reading -----------------------------------------------------------
 
@@ -238,13 +329,14 @@ class Index:
 
     # -- writing -----------------------------------------------------------
 
+    @_disk_full_explained
     def add(self, jobs: list[tuple[dict, str, float]]) -> list[str]:
         """Insert finished jobs in one transaction; returns the ids stored.
         A job already there with the same record is skipped (a compaction
         that crashed after its commit); one with a different record is stored
         under a ``.dup-`` id so neither is lost."""
         stored = []
-        db = self.db
+        db = self.writable()
         counts: dict[str, int] = {}
         insert_job = f"INSERT OR IGNORE INTO jobs ({', '.join(JOB_COLUMNS)}) VALUES ({', '.join('?' * len(JOB_COLUMNS))})"
         insert_runs = f"INSERT OR REPLACE INTO runs ({', '.join(RUN_COLUMNS)}) VALUES ({', '.join('?' * len(RUN_COLUMNS))})"
@@ -276,7 +368,8 @@ class Index:
                 self._bump(name, n)
             db.execute("COMMIT")
         except BaseException:
-            db.execute("ROLLBACK")
+            if db.in_transaction:  # SQLite has rolled back by itself after some errors (a full disk)
+                db.execute("ROLLBACK")
             raise
         return stored
 
@@ -287,9 +380,10 @@ class Index:
                 (name, by, by),
             )
 
+    @_disk_full_explained
     def drop_older(self, cutoff: float) -> int:
         """Delete jobs (and their runs) that finished before ``cutoff``."""
-        db = self.db
+        db = self.writable()
         db.execute("BEGIN IMMEDIATE")
         try:
             n = {}
@@ -301,7 +395,8 @@ class Index:
                 self._bump(f"rows_{state}", -count)
             db.execute("COMMIT")
         except BaseException:
-            db.execute("ROLLBACK")
+            if db.in_transaction:  # SQLite has rolled back by itself after some errors (a full disk)
+                db.execute("ROLLBACK")
             raise
         return sum(n.values())
 

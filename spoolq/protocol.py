@@ -904,8 +904,11 @@ class SpoolDir:
         view, so nobody ever sees it unlocked."""
         dir_fd = self.fd(folder)
         tmp = "." + self.tmp_name(name)
-        fd = _open_held(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dir_fd)
+        mode = 0o660 if self.shared else 0o644  # shared: a recovery by another user of the group rewrites it
+        fd = _open_held(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
         try:
+            if self.shared:
+                os.fchmod(fd, mode)  # whatever the umask
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             _write_all(fd, data)
             rename_noreplace(dir_fd, tmp, dir_fd, name)
@@ -933,17 +936,24 @@ class SpoolDir:
             _close_held(fd)
 
     def replace_file(self, folder: str | None, name: str, data: bytes, mode: int | None = None) -> None:
-        """Atomically replace a small file (tmp + fsync + rename)."""
+        """Atomically replace a small file (tmp + fsync + rename), with
+        ``mode`` whatever the umask; on an error the tmp file is removed."""
         dir_fd = self.fd(folder) if folder else os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             tmp = "." + self.tmp_name(name)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode or self.file_mode, dir_fd=dir_fd)
+            mode = mode or self.file_mode
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
             try:
-                _write_all(fd, data)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+                try:
+                    os.fchmod(fd, mode)
+                    _write_all(fd, data)
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            except BaseException:
+                _unlink_quietly(dir_fd, tmp)
+                raise
             os.fsync(dir_fd)
         finally:
             if not folder:

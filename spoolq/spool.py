@@ -242,7 +242,7 @@ class Spool:
                 return None
             from .index import Index
 
-            self._index = Index(os.path.join(self.path, "index.db"), durable=bool(self.settings["fsync"]))
+            self._index = Index(os.path.join(self.path, "index.db"), durable=bool(self.settings["fsync"]), shared=self.dir.shared)
         return self._index
 
     # -- history -----------------------------------------------------------

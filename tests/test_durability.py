@@ -156,6 +156,9 @@ def test_enqueue_on_a_full_disk_fails_cleanly(tiny_fs):
     assert proc.returncode == 1 and "No space left" in proc.stderr
     assert s.ids("new") == [kept]  # nothing partial in new/
     assert s.names("tmp") == []  # and nothing left behind in tmp/
+    proc = s.run("config", "set", "max_attempts", "3", check=False)
+    assert proc.returncode == 1 and "No space left" in proc.stderr
+    assert [n for n in os.listdir(s.path) if n.startswith(".")] == []  # audit: its tmp file was left behind
     os.unlink(tiny_fs / "filler")
     s.work()
     assert s.where(kept) == ["done"]
@@ -238,6 +241,35 @@ def test_a_running_worker_keeps_its_job_when_the_disk_fills(tiny_fs):
     job = s.show(job_id)
     assert job["state"] == "done" and job["outcome"] == "succeeded"
     assert s.names("cur") == [] and not [n for n in os.listdir(s.path / "cur") if n.startswith((".spare", ".staged"))]
+
+
+def test_history_still_answers_on_a_full_disk_and_compaction_says_why_it_cannot(tiny_fs):
+    """Audit: with index.db present, status, list, show and stats failed on
+    a full disk ("index.db: disk I/O error": WAL's -shm file could not be
+    made), just when an operator looks; compaction said "cannot rollback -
+    no transaction is active". Reads now fall back to a read-only open."""
+    s = SpoolFixture(tiny_fs / "spool")
+    s.run("init")
+    s.enqueue("--id", "old", "echo old")
+    s.work()
+    s.run("compact")
+    s.enqueue("--id", "recent", "echo recent")
+    s.work()
+    assert not os.path.exists(s.path / "index.db-shm")  # removed when the last connection closed
+    _fill(tiny_fs / "filler")
+    status = s.run("status", "--json", check=False)
+    assert status.returncode == 0, status.stderr
+    assert json.loads(status.stdout)["done"] == 2
+    assert s.show("old")["stdout"] == "old\n" and s.show("recent")["stdout"] == "recent\n"
+    listed = s.run("list", "--state", "done").stdout
+    assert "old" in listed and "recent" in listed
+    assert s.run("stats", check=False).returncode == 0
+    proc = s.run("compact", check=False)
+    assert proc.returncode == 1 and proc.stderr.startswith("spoolq: No space left on device"), proc.stderr
+    assert s.where("recent") == ["done"]
+    os.unlink(tiny_fs / "filler")
+    s.run("compact")
+    assert s.where("recent") == [] and s.show("recent")["compacted"]
 
 
 def test_state_folders_on_different_filesystems_are_refused(tiny_fs):

@@ -160,7 +160,7 @@ def test_shared_spool_lets_a_group_member_enqueue(tmp_path):
         assert stat.S_IMODE(st_.st_mode) == 0o2770 and st_.st_gid == gid, folder
     # The web server's user enqueues from its shell, with a strict umask: the
     # file is 0660 and belongs to the spool's group.
-    from conftest import ROOT, SPOOLQ
+    from conftest import ROOT, SPOOLQ, wait_for
 
     web = pwd.getpwnam(user)
     drop = tmp_path / "spoolq-drop"
@@ -188,6 +188,36 @@ def test_shared_spool_lets_a_group_member_enqueue(tmp_path):
     s.work()
     assert s.show(web_job)["stdout"] == "from web\n"
     assert s.show(app_job)["stdout"] == "from app\n"
+
+    # Audit: spoolq's own files were left to the umask, so another user of
+    # the group could not write the index (its compaction failed for good)
+    # nor a registration. Now they are the group's too: the index (and so
+    # its -wal and -shm, which SQLite gives the database's mode), the
+    # settings, a worker's registration.
+    def strict(*args: str, user: pwd.struct_passwd | None = None) -> subprocess.CompletedProcess:
+        as_user = ["setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}", "--init-groups"] if user else []
+        return subprocess.run(as_user + ["sh", "-c", 'umask 077; exec "$@"', "sh", *SPOOLQ, "-s", str(s.path), *args],
+                              capture_output=True, text=True, env=dict(os.environ, HOME="/tmp"))
+
+    assert strict("config", "set", "max_attempts", "4").returncode == 0
+    assert strict("compact").returncode == 0
+    assert stat.S_IMODE(os.stat(s.path / "config.json").st_mode) == 0o664
+    assert stat.S_IMODE(os.stat(s.path / "index.db").st_mode) == 0o660
+    watcher = subprocess.Popen(["sh", "-c", 'umask 077; exec "$@"', "sh", *SPOOLQ, "-s", str(s.path), "work", "--watch"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        registration = wait_for(lambda: [n for n in os.listdir(s.path / "workers") if n.endswith(".json")],
+                                what="the worker's registration")
+        assert stat.S_IMODE(os.stat(s.path / "workers" / registration[0]).st_mode) == 0o660
+    finally:
+        watcher.terminate()
+        watcher.wait(timeout=30)
+    if strict("--version", user=web).returncode == 0:  # spoolq is installed where this user can run it
+        s.enqueue("--id", "for-web", "true")
+        s.work()
+        assert strict("compact", user=web).returncode == 0 and s.show("for-web")["compacted"]
+        proc = strict("status", user=web)
+        assert proc.returncode == 0 and "1 in done/" not in proc.stdout, proc.stderr
     shutil.rmtree(request_cleanup)
 
 
