@@ -133,7 +133,7 @@ def init(ctx, group):
 @click.option("--jsonl", "jsonl", metavar="FILE", help="One job object per line ('-' reads stdin).")
 @click.option("--id", "job_id", help="The job id (default: a fresh, time-ordered one).")
 @click.option("--max-attempts", type=click.IntRange(min=1), help="Runs before the job goes to dead/.")
-@click.option("--timeout", type=Seconds(min=0), help="Seconds before a run is killed.")
+@click.option("--timeout", callback=_duration, metavar="DURATION", help="Time before a run is killed (90, 5m, 1h30m).")
 @click.option("--in", "delay", callback=_duration, metavar="DURATION", help="Run after this delay (90, 5m, 2h, 7d).")
 @click.option("--at", "at", metavar="TIME", help="Run at this time (RFC 3339 or epoch seconds).")
 @click.option("--env", "env", multiple=True, metavar="K=V", help="Add to the job's environment (repeatable).")

@@ -114,20 +114,34 @@ def parse_time(value: Any) -> float:
     raise ValueError(f"a time must be RFC 3339 or epoch seconds, not {type(value).__name__}")
 
 
-_DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw]?)\Z")
-_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+_DURATION_PART = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-z]*)")
+_UNITS = {"": 1, "s": 1, "sec": 1, "secs": 1, "second": 1, "seconds": 1,
+          "m": 60, "min": 60, "mins": 60, "minute": 60, "minutes": 60,
+          "h": 3600, "hr": 3600, "hrs": 3600, "hour": 3600, "hours": 3600,
+          "d": 86400, "day": 86400, "days": 86400, "w": 604800, "week": 604800, "weeks": 604800}
 
 
 def parse_duration(text: Any) -> float:
-    """``90``, ``90s``, ``5m``, ``2h``, ``7d`` (and ``1w``, ``1.5h``) as seconds."""
+    """``90``, ``90s``, ``5m``, ``2h``, ``7d`` as seconds; also ``1w``,
+    ``1.5h``, the long names systemd and people write (``10min``,
+    ``2 hours``) and sums (``1h30m``)."""
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         if text < 0 or not math.isfinite(text):
             raise ValueError(f"{text!r} is not a valid duration")
         return float(text)
-    m = _DURATION_RE.match(str(text).strip().lower())
-    if not m:
-        raise ValueError(f"{text!r} is not a duration (use e.g. 90, 90s, 5m, 2h, 7d)")
-    return float(m.group(1)) * _UNITS[m.group(2)]
+    rest = str(text).strip().lower()
+    total, parts = 0.0, 0
+    while rest:
+        m = _DURATION_PART.match(rest)
+        # A bare number only alone: "1h30" is more likely a slip than 1h + 30s.
+        if not m or m.group(2) not in _UNITS or (not m.group(2) and (parts or m.end() < len(rest))):
+            raise ValueError(f"{text!r} is not a duration (use e.g. 90, 90s, 5m, 10min, 2h, 1h30m, 7d)")
+        total += float(m.group(1)) * _UNITS[m.group(2)]
+        parts += 1
+        rest = rest[m.end():].lstrip()
+    if not parts:
+        raise ValueError(f"{text!r} is not a duration (use e.g. 90, 90s, 5m, 10min, 2h, 1h30m, 7d)")
+    return total
 
 
 # --------------------------------------------------------------------------

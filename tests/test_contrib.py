@@ -6,11 +6,12 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 
 import pytest
 
-from conftest import ROOT, SPOOLQ
+from conftest import ROOT, SPOOLQ, wait_for
 
 UNITS = ROOT / "contrib" / "systemd"
 
@@ -36,6 +37,32 @@ def test_units_stop_jobs_gracefully():
     assert "--max-time" in drain and "Type=oneshot" in drain
     path = (UNITS / "spoolq-drain.path").read_text()
     assert "DirectoryNotEmpty=/var/spool/app/new" in path
+
+
+@pytest.mark.parametrize("unit", ["spoolq-worker.service", "spoolq-drain.service"])
+def test_each_units_command_runs_jobs_and_stops_on_sigterm(unit, fast_spool, tmp_path):
+    """Audit: the drain unit's `--max-time 10min` was refused (exit 2) on
+    every start, so it never ran a job; a test only looked for the option.
+    Now each unit's ExecStart runs for real: it takes a job, and stops
+    cleanly on the SIGTERM systemd sends."""
+    exec_start = next(line.split("=", 1)[1] for line in (UNITS / unit).read_text().splitlines()
+                      if line.startswith("ExecStart="))
+    command = shlex.split(exec_start)
+    assert command[0] == "/usr/local/bin/spoolq"
+    done = tmp_path / "done"
+    job_id = fast_spool.enqueue(f"touch {done}")
+    env = dict(os.environ, SPOOLQ_DIR=str(fast_spool.path))
+    proc = subprocess.Popen(SPOOLQ + command[1:], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: done.exists() or proc.poll() is not None, what="the job to run")
+        assert proc.poll() is None, proc.communicate()  # still watching, not refused
+        wait_for(lambda: fast_spool.where(job_id) == ["done"], what="the job to be recorded")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 @pytest.mark.skipif(shutil.which("flock") is None, reason="flock(1) is not installed")
