@@ -478,9 +478,14 @@ def call_handler(handler: Callable[[Any], Any] | None, job: dict, limits: Limits
     out = Outcome(start=time.time())
     with handle._lock:
         handle.inline = True
+    worker_pid = os.getpid()
     try:
         _call_into(out, handler, job, limits)
     finally:
+        if os.getpid() != worker_pid:
+            # A child the handler forked has returned from it: going on, it
+            # would be a second worker running jobs the first already ran.
+            os._exit(0 if out.error is None else 1)
         _leave_inline(handle)
     out.end = time.time()
     return out

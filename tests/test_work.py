@@ -447,6 +447,41 @@ def test_handler_output_of_worker_processes_is_flushed_once(fast_spool, tmp_path
     assert sorted(proc.stdout.splitlines()) == ["imported", "job 0", "job 1", "job 2", "job 3"], proc.stdout
 
 
+def test_a_process_a_handler_forks_does_not_go_on_as_a_second_worker(fast_spool, tmp_path):
+    """Audit: a handler that forked and let its child return from it (as
+    code that forks and forgets to exit does) had that child carry on as a
+    second worker: it ran jobs the worker had already run, or failed with
+    "Bad file descriptor". Such a child now exits on its return."""
+    s = fast_spool
+    runs, child_pid = tmp_path / "runs", tmp_path / "child.pid"
+    (tmp_path / "forkapp.py").write_text(
+        "import os, time\n"
+        "def forker(payload):\n"
+        "    if os.fork() == 0:\n"
+        f"        open({str(child_pid)!r}, 'w').write(str(os.getpid()))\n"
+        "        time.sleep(0.2)  # the worker is running the next jobs meanwhile\n"
+        "        return 'from the child'\n"
+        "    return 'from the worker'\n"
+        "def ok(payload):\n"
+        f"    open({str(runs)!r}, 'a').write(f'{{payload}}\\n')\n"
+        "HANDLERS = {'fork': forker, 'ok': ok}\n")
+    s.enqueue("--kind", "fork")
+    for i in range(3):
+        s.enqueue("--kind", "ok", "--payload", str(i))
+    s.enqueue("--kind", "ok", "--payload", '"late"', "--in", "1s")
+    proc = s.popen("work", "--app", "forkapp:HANDLERS", "--watch", "--max-time", "3", cwd=str(tmp_path),
+                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate(timeout=60)
+    pid = int(child_pid.read_text())
+    wait_for(lambda: not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split(")")[-1].split()[0] == "Z",
+             what="the forked child to end")
+    assert proc.returncode == 0, err
+    assert sorted(runs.read_text().split()) == ["0", "1", "2", "late"]  # each once
+    assert "spoolq:" not in err and "Bad file descriptor" not in err, err
+    assert [n for n in os.listdir(s.path / "cur")] == []
+    assert {s.show(i)["state"] for i in s.ids("done")} == {"done"} and len(s.ids("done")) == 5
+
+
 def test_a_stop_while_the_worker_processes_start_ends_cleanly(fast_spool):
     """SIGTERM right after `work -j 4` starts, many times: never a worker
     process killed by the signal passed on before it could handle it."""
