@@ -670,6 +670,7 @@ class Worker:
         on_slow = (self._look_ahead_hold, self._drop_ahead) if self.jobs == 1 else None
 
         out: Outcome
+        began = time.time()  # what a stopped run's record says it started at
         try:
             if self._forced:
                 handle.interrupted = True
@@ -691,9 +692,9 @@ class Worker:
                                   threaded=self.jobs > 1, outputs=outputs, spent=spent, spin=spin)
                 self._last_short = time.monotonic() - began < self._spin_window
         except ForcedStop:
-            out = Outcome(start=time.time(), end=time.time(), error="killed: the worker was told to stop now", interrupted=True)
+            out = Outcome(start=began, end=time.time(), error="killed: the worker was told to stop now", interrupted=True)
         except Exception as e:  # spoolq's own failure to run it: a failed run, not a dead worker
-            out = Outcome(start=time.time(), end=time.time(), error=f"internal error running the job: {type(e).__name__}: {e}")
+            out = Outcome(start=began, end=time.time(), error=f"internal error running the job: {type(e).__name__}: {e}")
         finally:
             with self._lock:
                 self._running.pop(thread_id, None)

@@ -205,17 +205,23 @@ def test_a_second_signal_stops_an_in_process_handler(fast_spool, tmp_path):
     marker = tmp_path / "started"
     app.write_text(
         "import pathlib\n"
-        f"def spin(p):\n    pathlib.Path({str(marker)!r}).touch()\n    while True:\n        pass\n"
+        f"def spin(p):\n    pathlib.Path({str(marker)!r}).write_text(repr(__import__('time').time()))\n    while True:\n        pass\n"
         "HANDLERS = {'spin': spin}\n"
     )
     job_id = s.enqueue("--kind", "spin")
     worker = s.popen("work", "--app", "loop_app:HANDLERS", cwd=str(tmp_path), stderr=subprocess.PIPE, text=True)
-    wait_for(marker.exists, what="the handler to start")
+    wait_for(lambda: marker.exists() and marker.read_text(), what="the handler to start")
     worker.send_signal(signal.SIGTERM)
     _await_line(worker, "stopping: no more claims")
     worker.send_signal(signal.SIGTERM)
     worker.communicate(timeout=60)
     assert s.where(job_id) == ["failed"] and s.record("failed", job_id)["attempts"] == 1
+    # Audit: the run's start was the time of the kill (start == end, duration 0).
+    from datetime import datetime
+
+    run = s.record("failed", job_id)["history"][0]
+    start, end = (datetime.fromisoformat(run[k].replace("Z", "+00:00")).timestamp() for k in ("start", "end"))
+    assert start <= float(marker.read_text()) <= end
 
 
 def test_a_run_that_finished_but_was_not_moved_is_completed_not_rerun(fast_spool):
