@@ -542,7 +542,10 @@ def cancel(ctx: Context, job_id: str, on_note: Callable[[str], None] | None = No
         # first, a crash left a record saying done in new/, which a worker
         # would run and its recovery then take for a recorded finish.
         data = record.dumps(job)
-        held.move("done")
+        try:
+            held.move("done")
+        except FileNotFoundError:  # a lock does not stop `mv`
+            raise NotPossible(f"job {job_id} was moved away meanwhile (by hand?); nothing was cancelled") from None
         _rewrite_after_move(ctx, held, data, "done", on_note,
                             f"job {job_id} is cancelled, but its record could not be updated", "it reads as cancelled")
     finally:
@@ -593,6 +596,8 @@ def _retry_held(ctx: Context, held: Held, on_note: Callable[[str], None] | None)
         held.move("new", target, keep_name=True)
     except Exists:
         raise NotPossible(f"new/{target} already exists; the dead job stays in dead/") from None
+    except FileNotFoundError:  # a lock does not stop `mv`
+        raise NotPossible(f"dead/{held.name} was moved away meanwhile (by hand?); it was not retried") from None
     if job is not None:
         _clear_run_fields(job)
         job["state"] = "new"

@@ -223,6 +223,30 @@ def test_a_cancel_or_retry_whose_record_cannot_be_rewritten_after_the_move_still
         assert job["state"] == "dead" and job["attempts"] == 1 and len(job["history"]) == 2
 
 
+@pytest.mark.skipif(shutil.which("strace") is None, reason="strace is not installed (apt-get install strace)")
+def test_a_job_moved_by_hand_under_a_retry_or_cancel_is_named_not_an_error(spool):
+    """Audit: a hand `mv` between the lock and the move (a lock does not stop
+    mv) made retry --all stop at "No such file or directory: d1.json",
+    leaving the next dead job neither retried nor named. strace makes the
+    first move find its file gone, as after such an mv."""
+    s = spool
+    for job_id in ("d1", "d2"):
+        s.enqueue("--id", job_id, "--max-attempts", "1", "false")
+    s.enqueue("--id", "later", "--in", "1h", "true")
+    s.work()
+
+    def first_move_finds_nothing(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["strace", "-qq", "-o", os.devnull, "-e", "trace=renameat2", "-e", "inject=renameat2:error=ENOENT:when=1",
+                               *SPOOLQ, "-s", str(s.path), *args], capture_output=True, text=True, timeout=60)
+
+    proc = first_move_finds_nothing("retry", "--all")
+    assert proc.returncode == 1 and proc.stdout == "d2\n"
+    assert proc.stderr == "spoolq: dead/d1.json was moved away meanwhile (by hand?); it was not retried\n"
+    proc = first_move_finds_nothing("cancel", "later")
+    assert proc.returncode == 1 and proc.stderr == "spoolq: job later was moved away meanwhile (by hand?); nothing was cancelled\n"
+    assert s.ids("dead") == ["d1"] and s.ids("new") == ["d2", "later"]
+
+
 def test_a_running_worker_keeps_its_job_when_the_disk_fills(tiny_fs):
     s = SpoolFixture(tiny_fs / "spool")
     s.run("init")
