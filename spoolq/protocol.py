@@ -146,14 +146,15 @@ def id_problem(job_id: object) -> str | None:
     """Why ``job_id`` is not a valid id, or None if it is."""
     if not isinstance(job_id, str):
         return "id must be a string"
+    # The gravest reason first: '../x' is refused for its path, not its dot.
+    if "/" in job_id:
+        return f"id {job_id!r} contains '/'"
+    if ".." in job_id:
+        return f"id {job_id!r} contains '..'"
     if not _ID_RE.match(job_id):
         if job_id.startswith("."):
             return f"id {job_id!r} starts with a dot"
-        if "/" in job_id:
-            return f"id {job_id!r} contains '/'"
         return f"id {job_id!r} is not 1-128 characters of A-Z a-z 0-9 . _ -"
-    if ".." in job_id:
-        return f"id {job_id!r} contains '..'"
     return None
 
 

@@ -30,9 +30,10 @@ BAD_FILES = {
     "env-list": (b'{"command": "true", "env": ["A=1"]}', "env must be an object"),
     "run-at-words": (b'{"command": "true", "run_at": "yesterday"}', "run_at"),
     "run-at-naive": (b'{"command": "true", "run_at": "2026-01-01T00:00:00"}', "run_at"),
-    "id-dotdot": (b'{"command": "true", "id": "../x"}', "'../x'"),
+    "id-dotdot": (b'{"command": "true", "id": "../x"}', "'../x' contains '/'"),
     "id-slash": (b'{"command": "true", "id": "a/b"}', "contains '/'"),
     "id-hidden": (b'{"command": "true", "id": ".hidden"}', "starts with a dot"),
+    "id-dotdot-start": (b'{"command": "true", "id": "..x"}', "contains '..'"),  # audit: it said "starts with a dot"
     "cwd-type": (b'{"command": "true", "cwd": 7}', "cwd must be"),
     "nul-in-command": (b'{"command": "tr\\u0000ue"}', "NUL"),
     "nan": (b'{"command": "true", "timeout": NaN}', "NaN is not a JSON value"),
