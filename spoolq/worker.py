@@ -211,6 +211,9 @@ class Worker:
         # systemd's whole control group) are left to the parent, so that one
         # signal never counts twice.
         self.relayed = relayed
+        # ... unless that parent is gone (killed with -9; the worker processes
+        # finish their jobs): then signals sent to this one are its own.
+        self._pool_parent = os.getppid() if relayed else None
         self.processes = processes  # worker processes of the same command, this one included
         self.recover = recover
         self.waker = waker
@@ -311,10 +314,10 @@ class Worker:
         if signum == signal.SIGHUP:
             self.reload()
             return
-        if self.relayed:
-            if signum not in RELAYED_SIGNALS:
-                return  # the parent passes it on
+        if signum in RELAYED_SIGNALS:  # (handled only in a worker pool's process)
             level = 1 if signum == signal.SIGUSR1 else 2
+        elif self.relayed and os.getppid() == self._pool_parent:
+            return  # the parent passes it on
         else:
             level = self._stop_signals + 1
         if level <= self._stop_signals:

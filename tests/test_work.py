@@ -415,6 +415,44 @@ def test_a_killed_worker_process_stops_the_others_and_its_job_is_recovered(fast_
     assert s.where(job_id) == ["dead"] and "interrupted" in s.show(job_id)["error"]
 
 
+def test_a_worker_process_whose_pool_parent_was_killed_still_stops_on_sigterm(fast_spool, tmp_path):
+    """Audit: after `kill -9` of the parent of `work -j 2` its worker
+    processes stop claiming and finish their jobs, as designed, but then
+    ignored SIGTERM and SIGINT for good (they left those to the parent):
+    an operator could not stop a long job but with SIGKILL. The parent's
+    death was their first stop signal; SIGTERM is now the second, as for
+    any worker: the job is killed and goes back to failed/."""
+    s = fast_spool
+    started = tmp_path / "started"
+    job_id = s.enqueue(f"touch {started}; exec sleep 300")
+    command = s.popen("work", "--watch", "-j", "2", stderr=subprocess.DEVNULL)
+    pids: list[int] = []
+
+    def alive(pid: int) -> bool:
+        try:
+            return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+        except FileNotFoundError:
+            return False
+
+    try:
+        wait_for(started.exists, what="the job to start")
+        workers = wait_for(lambda: len(s.status()["workers"]) == 2 and s.status()["workers"], what="both workers")
+        pids = [w["pid"] for w in workers]
+        busy = wait_for(lambda: [w["pid"] for w in s.status()["workers"] if job_id in w.get("jobs", {})], what="its worker")[0]
+        command.kill()
+        command.wait()
+        idle = [pid for pid in pids if pid != busy]
+        wait_for(lambda: not alive(idle[0]), what="the idle worker to stop by itself")
+        assert alive(busy)  # finishing its job
+        os.kill(busy, signal.SIGTERM)
+        wait_for(lambda: not alive(busy), what="the busy worker to stop")
+    finally:
+        for pid in pids:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert s.where(job_id) == ["failed"] and "told to stop" in s.record("failed", job_id)["error"]
+
+
 def test_max_jobs_zero_with_j_still_recovers(fast_spool, tmp_path):
     s = fast_spool
     started = tmp_path / "started"
