@@ -40,8 +40,11 @@ def main() -> None:
     """Run the ``spoolq`` command line."""
     quick = plain_show(sys.argv[1:])
     if quick is None:
-        from .cli import main as click_main
-
+        try:
+            from .cli import main as click_main
+        except KeyboardInterrupt:  # Ctrl-C while Python imports: nothing was done yet
+            sys.stderr.write("spoolq: interrupted\n")
+            sys.exit(130)
         click_main()
         return
     spool_dir, job_id, as_json = quick
