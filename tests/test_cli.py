@@ -4,11 +4,14 @@ and the exit codes of section 7."""
 from __future__ import annotations
 
 import json
+import shutil
 import os
 import stat
 import subprocess
 import sys
 import time
+
+import pytest
 
 from conftest import SPOOLQ, STATES, SpoolFixture
 
@@ -395,3 +398,20 @@ def test_a_worker_started_with_stdout_and_stderr_closed_still_works(spool):
                           capture_output=True, text=True, timeout=60, env=dict(os.environ, SPOOL=str(spool.path)))
     assert proc.returncode == 0
     assert spool.where("ok") == ["done"] and spool.where("bad") == ["dead"]
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="strace is not installed (apt-get install strace)")
+def test_ctrl_c_while_the_command_starts_up_is_one_line(spool):
+    """Audit: SIGINT in the first few hundred milliseconds, while Python
+    imports the CLI, printed a KeyboardInterrupt traceback. strace sends it
+    as the command opens the CLI's compiled module."""
+    import importlib.util
+
+    import spoolq.cli
+
+    source = spoolq.cli.__file__  # whichever of it and its compiled form Python opens
+    proc = subprocess.run(["strace", "-qq", "-o", os.devnull, "-P", source, "-P", importlib.util.cache_from_source(source),
+                           "-e", "trace=openat", "-e",
+                           "inject=openat:signal=INT:when=1", *SPOOLQ, "-s", str(spool.path), "status"],
+                          capture_output=True, text=True, timeout=60)
+    assert (proc.returncode, proc.stderr) == (130, "spoolq: interrupted\n")
