@@ -54,6 +54,7 @@ class Outcome:
     permanent: bool = False
     timed_out: bool = False
     interrupted: bool = False
+    not_started: bool = False  # stopped before it began: no run to count (the job goes back as it was)
 
     @property
     def ok(self) -> bool:
@@ -392,7 +393,7 @@ def run_process(
         if handle.interrupted:  # told to stop before it started: do not start it
             out.end = time.time()
             out.error = "killed: the worker was told to stop now"
-            out.interrupted = True
+            out.interrupted = out.not_started = True
             return out
         before = procs.boot_ticks()
         try:

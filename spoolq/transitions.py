@@ -406,6 +406,17 @@ def finish(ctx: Context, claimed: Claimed, out: Outcome, worker_id: str, due_now
     return dest, due
 
 
+def unclaim(ctx: Context, claimed: Claimed) -> str:
+    """Move a claimed job that never started back to the folder it was
+    taken from, record and due time unchanged (a claim rewrites neither in
+    cur/), and let it go. One rename: a crash before it leaves the job in
+    cur/ for recovery, which counts an interrupted run, as for any job a
+    dead worker held. Returns the folder."""
+    claimed.held.move(claimed.origin, keep_name=True)
+    claimed.held.release()
+    return claimed.origin
+
+
 def _fitted(job: dict, limit: int) -> bytes:
     """The record, trimmed of what runs added until it fits in max_job_bytes:
     a record spoolq writes must never be one it refuses to read (a job

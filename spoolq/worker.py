@@ -680,7 +680,8 @@ class Worker:
             if job.get("kind") is not None:
                 handler = self.handlers.get(job["kind"])
                 if self._forced:
-                    out = Outcome(start=time.time(), end=time.time(), error="killed: the worker was told to stop now", interrupted=True)
+                    out = Outcome(start=began, end=began, error="killed: the worker was told to stop now", interrupted=True,
+                                  not_started=True)
                 elif inline:
                     out = call_handler(handler, job, limits, handle)
                 else:
@@ -759,6 +760,8 @@ class Worker:
         job_id, attempt = claimed.job_id, claimed.attempt  # (finish counts the attempt into the job)
         reg = self.registration
         defer = self.spool.dir.fsync
+        if out.not_started and self._put_back(claimed):
+            return
         try:
             if not out.ok:  # a failed run's record must be known as this run's (a success needs no telling)
                 try:
@@ -793,6 +796,20 @@ class Worker:
                 self._staged.append((claimed, out, attempt, dest, due))
             return
         self._ended(claimed, out, attempt, dest, due)
+
+    def _put_back(self, claimed: transitions.Claimed) -> bool:
+        """A job claimed but stopped before it began (a second stop signal
+        between the two) goes back where it came from, as it was: no run
+        happened, so none is counted. False if it cannot (then it is
+        finished as an interrupted run, as before)."""
+        try:
+            folder = transitions.unclaim(self.ctx, claimed)
+        except Exception:
+            return False
+        self._forget_run(claimed.job_id)
+        self.log.line(f"worker={self._wid} job={claimed.job_id} not started: the worker was told to stop now; "
+                      f"back in {folder}/", 1)
+        return True
 
     def _ended(self, claimed: transitions.Claimed, out: Outcome, attempt: int, dest: str, due: float | None) -> None:
         """A job has left cur/: forget its run; log it now, or after the

@@ -224,6 +224,30 @@ def test_a_second_signal_stops_an_in_process_handler(fast_spool, tmp_path):
     assert start <= float(marker.read_text()) <= end
 
 
+@pytest.mark.skipif(shutil.which("strace") is None, reason="strace is not installed (apt-get install strace)")
+def test_a_job_stopped_between_its_claim_and_its_start_goes_back_uncounted(fast_spool, tmp_path):
+    """Audit: a second stop signal that came after a claim but before the
+    job started charged a run that never happened ("killed: the worker was
+    told to stop now", start == end): with max_attempts 1 the job went to
+    dead/ without ever running. strace sends the first SIGTERM on the
+    claim's rename and the second as the job's payload file is made, just
+    before its process would start."""
+    s = fast_spool
+    ran = tmp_path / "ran"
+    job_id = s.enqueue("--max-attempts", "1", "--payload", '{"a": 1}', f"cat > /dev/null; echo ran >> {ran}")
+    before = s.record("new", job_id)
+    # renameat2: the registration, then the claim. memfd_create: the spare stdout and stderr, then the payload.
+    proc = subprocess.run(["strace", "-qq", "-o", os.devnull, "-e", "trace=renameat2,memfd_create",
+                           "-e", "inject=renameat2:signal=TERM:when=2", "-e", "inject=memfd_create:signal=TERM:when=3",
+                           *SPOOLQ, "-s", str(s.path), "work", "-v"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "not started: the worker was told to stop now; back in new/" in proc.stderr, proc.stderr
+    assert s.where(job_id) == ["new"] and s.record("new", job_id) == before and not ran.exists()
+    s.work()
+    job = s.show(job_id)
+    assert job["state"] == "done" and job["attempts"] == 1 and ran.read_text() == "ran\n"
+
+
 def test_a_run_that_finished_but_was_not_moved_is_completed_not_rerun(fast_spool):
     """Recovery of a job whose outcome was recorded (attempts match the
     registration) just finishes the move: the run is not counted twice."""
