@@ -185,6 +185,39 @@ def kill_run(worker_id: str, worker_boot: str, pgid: int | None, spawn_window: t
     return killed, len(refused)
 
 
+def kill_marked(markers: list[str]) -> int:
+    """SIGKILL every process whose environment holds all of ``markers``
+    (``NAME=value``): what a killed run left behind outside its process
+    group (``setsid``). Returns how many were killed."""
+    needles = {m.encode() for m in markers}
+    me = os.getpid()
+    killed = 0
+    for _ in range(20):  # a process may fork while we kill; repeat until none is left
+        try:
+            pids = [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != me]
+        except OSError:
+            return killed
+        found = []
+        for pid in pids:
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    env = set(f.read().split(b"\0"))
+            except OSError:
+                continue
+            desc = _describe(pid) if needles <= env else None
+            if desc is not None and desc[0] not in ("Z", "X"):
+                found.append((pid, desc[2]))
+        if not found:
+            break
+        for pid, started in found:
+            try:
+                killed += kill_verified(pid, started)
+            except PermissionError:
+                pass  # not ours to kill
+        time.sleep(0.01)
+    return killed
+
+
 _file_limit: int | None = None
 
 

@@ -432,6 +432,10 @@ def run_process(
         out.end = time.time()
         out.exit_code = code
         out.interrupted = handle.interrupted
+        if (out.timed_out or out.interrupted) and env.get("SPOOLQ_WORKER"):
+            # Killed with its process group; what left the group (setsid) is
+            # found by the variables that mark this run, as recovery would.
+            procs.kill_marked([f"{k}={env[k]}" for k in ("SPOOLQ_WORKER", "SPOOLQ_JOB_ID", "SPOOLQ_ATTEMPT") if k in env])
         if out.timed_out:
             out.error = f"timed out after {limits.timeout:g}s"
         elif handle.interrupted:

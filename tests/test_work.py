@@ -100,6 +100,34 @@ def test_timeout_kills_the_whole_process_group(fast_spool, tmp_path):
         wait_for(lambda: not _alive(pid), timeout=10, what=f"pid {pid} to die")
 
 
+@pytest.mark.skipif(shutil.which("setsid") is None, reason="setsid (util-linux) is not installed")
+def test_a_timeout_or_a_second_signal_also_kills_what_left_the_process_group(fast_spool, tmp_path):
+    """Audit: a job's process that left its process group (setsid) outlived
+    a timeout and a second stop signal, so it ran on beside the job's
+    retry. The run's own variables (SPOOLQ_WORKER, SPOOLQ_JOB_ID,
+    SPOOLQ_ATTEMPT) find it, as recovery finds a dead worker's."""
+    s = fast_spool
+    s.config("backoff_initial", 0)
+    pids = tmp_path / "pids"
+    escaping = f"setsid sh -c 'echo $$ >> {pids}; exec sleep 300' & wait"
+    timed_out = s.enqueue("--timeout", "1", "--max-attempts", "1", escaping)
+    s.work(timeout=60)
+    assert s.show(timed_out)["error"] == "timed out after 1s"
+    pid = int(pids.read_text())
+    wait_for(lambda: not _alive(pid), timeout=10, what="the escaped process to die")
+    pids.unlink()
+    stopped = s.enqueue(escaping)
+    worker = s.popen("work", stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: pids.exists() and pids.read_text(), what="the job to start")
+    worker.send_signal(signal.SIGTERM)
+    wait_for(lambda: "stopping: no more claims" in worker.stderr.readline(), what="the first signal to be handled")
+    worker.send_signal(signal.SIGTERM)
+    worker.communicate(timeout=60)
+    assert s.where(stopped) == ["failed"]
+    pid = int(pids.read_text())
+    wait_for(lambda: not _alive(pid), timeout=10, what="the escaped process to die")
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
