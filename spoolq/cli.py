@@ -313,6 +313,7 @@ def work(ctx, jobs, max_jobs, max_time, app, watch, poll, quiet, verbose):
     if jobs > 1:  # N worker processes (see pool.py)
         from .pool import run_workers
 
+        spool.dir.close()  # each worker process opens its own: with these too, it ran short under a low limit
         if not run_workers(lambda: Spool(spool.path), jobs, handlers, max_jobs, max_time, watch, poll, log):
             sys.exit(1)
         return

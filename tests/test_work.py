@@ -736,17 +736,36 @@ def test_a_descriptor_above_the_open_file_limit_is_closed_too(fast_spool):
     assert job["stdout"].split() == ["0", "1", "2"]
 
 
-def test_a_durable_worker_runs_within_a_low_open_file_limit(spool):
+def test_worker_processes_of_work_j_do_not_keep_the_commands_descriptors(fast_spool):
+    """Audit: each worker process of `work -j N` kept the command's own
+    descriptors of the spool's folders beside its own, eight fewer for its
+    jobs and records: under a low limit and a busy disk, jobs failed with
+    "Too many open files"."""
+    s = fast_spool
+    command = s.popen("work", "--watch", "-j", "2", stderr=subprocess.DEVNULL)
+    try:
+        workers = wait_for(lambda: len(s.status()["workers"]) == 2 and s.status()["workers"], what="both workers")
+        for pid in (w["pid"] for w in workers):
+            targets = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+            assert targets.count(str(s.path / "new")) == 1, targets
+    finally:
+        command.send_signal(signal.SIGTERM)
+        command.wait(timeout=60)
+
+
+@pytest.mark.parametrize("processes", ["1", "2", "4"])
+def test_a_durable_worker_runs_within_a_low_open_file_limit(spool, processes):
     """fsync on keeps spare files open to rewrite records into, and the old
     inodes until they are synced: up to 320 descriptors, so under a soft
     limit of 64 a worker ran out after ~50 jobs ("cannot record the
     outcome: Too many open files") and stopped. Their number now follows
-    the limit."""
-    spool.run("enqueue", "--jsonl", "-", input='{"argv": ["true"]}\n' * 200)
-    proc = spool.run("work", open_files=48, check=False)
+    the limit. (Audit: with -j N each worker process also kept the
+    command's own descriptors of the spool, and jobs failed to start.)"""
+    spool.run("enqueue", "--jsonl", "-", input='{"argv": ["echo", "hi"]}\n' * 600)
+    proc = spool.run("work", "-j", processes, open_files=48, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     st = spool.status()
-    assert st["done"] == 200 and st["failed"] == 0 and st["cur"] == 0, st
+    assert st["done"] == 600 and st["failed"] == 0 and st["cur"] == 0, st
 
 
 def test_a_long_running_worker_keeps_no_descriptors_of_finished_jobs(fast_spool):
