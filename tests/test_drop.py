@@ -48,6 +48,36 @@ def test_spoolq_drop_script_command_and_stdin(fast_spool, tmp_path):
     assert s.where(a) == ["done"] and s.where(b) == ["done"]
 
 
+_SHELLS = [sh for sh in (["sh"], ["dash"], ["bash"], ["busybox", "sh"]) if shutil.which(sh[0])]
+
+
+@pytest.mark.parametrize("shell", _SHELLS, ids=[" ".join(sh) for sh in _SHELLS])
+def test_spoolq_drop_writes_valid_json_for_any_command(fast_spool, shell):
+    """Audit: control characters (a terminal colour code) were written
+    raw, so the job went to dead/ as invalid JSON though the script said it
+    was enqueued; trailing newlines were dropped; a command starting with
+    "-" could not be given. Every command now comes back byte for byte."""
+    s = fast_spool
+    commands = ["printf '\\033[31mred\\033[0m'\x07", "a\nb\n\nc\n\n", 'q"uo\\te\t\r\x7f', "é ü 日本 \U0001F600",
+                "-n hi", "x" * 20000]
+    for command in commands:
+        proc = subprocess.run([*shell, DROP, "-s", str(s.path), "--", command], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+        assert s.record("new", proc.stdout.strip())["command"] == command
+    assert s.names("tmp") == []
+
+
+def test_spoolq_drop_refuses_what_cannot_be_a_job(fast_spool):
+    s = fast_spool
+    for args, stdin, message in [(["", " "], None, "the command is empty"), (["-"], "", "nothing on standard input")]:
+        proc = subprocess.run([DROP, "-s", str(s.path), *args], input=stdin, capture_output=True, text=True)
+        assert (proc.returncode, proc.stderr) == (1, f"spoolq-drop: {message}\n")
+    if shutil.which("iconv"):
+        proc = subprocess.run([DROP, "-s", str(s.path), b"echo \xff\xfe"], capture_output=True, text=True)
+        assert (proc.returncode, proc.stderr) == (1, "spoolq-drop: the command is not valid UTF-8\n")
+    assert s.names("new") == [] and s.names("tmp") == []
+
+
 def test_spoolq_drop_refuses_a_missing_spool(tmp_path):
     proc = subprocess.run([DROP, "-s", str(tmp_path / "nope"), "true"], capture_output=True, text=True)
     assert proc.returncode == 1 and "not a spool" in proc.stderr
