@@ -10,7 +10,7 @@
 from .record import InvalidJob
 from .spool import DuplicateId, PartlyEnqueued, Spool
 
-__all__ = ["Spool", "Permanent", "InvalidJob", "DuplicateId", "PartlyEnqueued"]
+__all__ = ["Spool", "Permanent", "InvalidJob", "DuplicateId", "PartlyEnqueued", "JobNotFound", "NotPossible"]
 __version__ = "0.1.0"
 
 
@@ -21,4 +21,8 @@ def __getattr__(name: str):
         from .runner import Permanent
 
         return Permanent
+    if name in ("JobNotFound", "NotPossible"):  # what cancel() and retry() raise with check=True
+        from . import transitions
+
+        return getattr(transitions, name)
     raise AttributeError(f"module 'spoolq' has no attribute {name!r}")

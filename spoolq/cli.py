@@ -282,7 +282,7 @@ def _read_jsonl(source: str, options: dict[str, Any]):
 
 @cli.command()
 @click.option("-j", "--jobs", type=click.IntRange(min=1), default=1, show_default=True, help="Jobs to run at once.")
-@click.option("--max-jobs", type=click.IntRange(min=0), help="Stop after claiming this many jobs.")
+@click.option("--max-jobs", type=click.IntRange(min=0), help="Stop after claiming this many jobs (0: only recover).")
 @click.option("--max-time", callback=_duration, metavar="DURATION", help="Stop claiming after this long.")
 @click.option("--app", metavar="MODULE:ATTR", help="A mapping of kind to handler function.")
 @click.option("--watch", is_flag=True, help="Keep running and wake on new files.")
@@ -342,8 +342,10 @@ def status(ctx, as_json, prometheus):
     if as_json:
         echo(json.dumps(counts))
         return
-    for state in ("new", "cur", "failed", "dead"):
+    for state in ("new", "cur", "failed"):
         echo(f"{state:<8}{counts[state]:>10}")
+    purged = f"  (and {counts['dead_purged']} purged into index.db)" if counts.get("dead_purged") else ""
+    echo(f"{'dead':<8}{counts['dead']:>10}{purged}")
     echo(f"{'done':<8}{counts['done']:>10}  ({counts['done_files']} in done/, {counts['compacted']} compacted)")
     workers = counts["workers"]
     echo(f"{'workers':<8}{len(workers):>10}")
@@ -361,6 +363,8 @@ def _summary(job: dict[str, Any]) -> str:
     line = f"{job['state']:<7} {job['id']:<32} {when:<28} {attempts!s:>3}  {target}"
     if error:
         line += f"  [{error}]"
+    elif job.get("outcome") == "cancelled" or (job["state"] == "done" and "outcome" not in job):
+        line += "  [cancelled]"  # a done job is a success unless it says so (record.as_done)
     return one_line(line)
 
 

@@ -288,3 +288,15 @@ def test_an_empty_spool_path_is_an_error(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="empty"):
         Spool("")
     assert os.listdir(tmp_path) == []
+
+
+def test_cancel_and_retry_with_check_raise_exceptions_the_package_exports(q):
+    """Audit: with check=True they raised classes only spoolq.transitions had."""
+    with pytest.raises(spoolq.JobNotFound):
+        q.cancel("no-such-job", check=True)
+    job_id = q.enqueue(command="true")
+    q.work()
+    with pytest.raises(spoolq.NotPossible, match="is in done/"):
+        q.cancel(job_id, check=True)
+    with pytest.raises(spoolq.NotPossible):
+        q.retry(job_id, check=True)

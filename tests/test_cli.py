@@ -415,3 +415,19 @@ def test_ctrl_c_while_the_command_starts_up_is_one_line(spool):
                            "inject=openat:signal=INT:when=1", *SPOOLQ, "-s", str(spool.path), "status"],
                           capture_output=True, text=True, timeout=60)
     assert (proc.returncode, proc.stderr) == (130, "spoolq: interrupted\n")
+
+
+def test_list_marks_cancelled_jobs_and_status_counts_purged_dead_ones(fast_spool):
+    """Audit: in `list --state done` a cancelled job looked like one that
+    succeeded, and dead jobs purged into the index vanished from `status`."""
+    s = fast_spool
+    s.enqueue("--id", "ran", "true")
+    s.enqueue("--id", "called-off", "--in", "1h", "true")
+    s.enqueue("--id", "broken", "--max-attempts", "1", "false")
+    s.run("cancel", "called-off")
+    s.work()
+    lines = {line.split()[1]: line for line in s.run("list", "--state", "done").stdout.splitlines()}
+    assert lines["called-off"].endswith("[cancelled]") and "[" not in lines["ran"]
+    s.run("purge", "--dead", "--older-than", "0")
+    dead_line = next(line for line in s.run("status").stdout.splitlines() if line.startswith("dead"))
+    assert dead_line.split() == ["dead", "0", "(and", "1", "purged", "into", "index.db)"]
