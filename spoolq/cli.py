@@ -227,6 +227,10 @@ def enqueue(ctx, args, use_argv, kind, payload, job_json, jsonl, job_id, max_att
     else:
         if len(args) != 1:
             fail("give the shell command as one quoted argument, or use --argv -- PROG ARG...", 2)
+        if args[0].lstrip().startswith('{"'):
+            # No shell command starts so (a group is "{ cmd; }"): a job object
+            # meant for --json, whose typo would otherwise run as sh and fail.
+            fail("the command looks like a JSON job object; give it with --json", 2)
         fields = {"command": args[0], **options}
     _print_ids([spool.enqueue_job(fields)])
 

@@ -139,6 +139,8 @@ def load(root: str) -> dict[str, Any]:
             raw = f.read(1 << 20)
     except FileNotFoundError:
         return settings
+    except PermissionError:
+        raise  # no access to the spool (or the file): not a bad setting, and said as such
     except OSError as e:
         raise ConfigError(f"cannot read {path}: {e.strerror}") from None
     try:

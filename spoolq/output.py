@@ -99,6 +99,8 @@ def require_spool(spool) -> None:
     if spool.dir.exists():
         return
     refuse_non_directory(spool.path)
+    if os.path.isdir(spool.path) and not os.access(spool.path, os.R_OK | os.X_OK):
+        fail(f"permission denied: {spool.path} (a shared spool: is this user in its group?)", 1)
     if os.path.isdir(spool.path):
         fail(f"{spool.path} is not a spool (no new/ folder); run 'spoolq init'", 1)
     fail(f"no spool at {spool.path} (create it with 'spoolq init' or enqueue a job)", 1)

@@ -340,7 +340,7 @@ class Worker:
         """Reread config.json (SIGHUP)."""
         try:
             settings = config.load(self.spool.path)
-        except config.ConfigError as e:
+        except (config.ConfigError, OSError) as e:  # e.g. config.json made unreadable
             self.log.line(f"worker={self._wid} reload failed: {e}", 0)
             return
         self.ctx.settings = settings

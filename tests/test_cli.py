@@ -431,3 +431,16 @@ def test_list_marks_cancelled_jobs_and_status_counts_purged_dead_ones(fast_spool
     s.run("purge", "--dead", "--older-than", "0")
     dead_line = next(line for line in s.run("status").stdout.splitlines() if line.startswith("dead"))
     assert dead_line.split() == ["dead", "0", "(and", "1", "purged", "into", "index.db)"]
+
+
+def test_a_json_object_given_as_the_command_is_refused(fast_spool):
+    """Audit: `spoolq enqueue '{"command": "true", "bogus": }'` (a typo in a
+    job meant for --json) was enqueued as a shell command and failed five
+    times. A shell group, "{ cmd; }", still runs."""
+    s = fast_spool
+    proc = s.run("enqueue", '{"command": "true", "bogus": }', check=False)
+    assert (proc.returncode, proc.stderr) == (2, "spoolq: the command looks like a JSON job object; give it with --json\n")
+    assert s.ids("new") == []
+    job_id = s.enqueue("{ echo grouped; }")
+    s.work()
+    assert s.show(job_id)["stdout"] == "grouped\n"

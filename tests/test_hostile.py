@@ -8,6 +8,7 @@ import json
 import os
 import pwd
 import shutil
+import signal
 import sqlite3
 import stat
 import subprocess
@@ -545,3 +546,46 @@ def test_a_config_file_from_before_the_caps_still_works_and_a_bad_one_can_be_rep
     assert proc.returncode == 2 and "max_attempts must be >= 1" in proc.stderr
     s.run("config", "set", "max_attempts", "3")
     assert s.status()["new"] == 0 and json.loads(path.read_text())["max_attempts"] == 3
+
+
+@needs_root
+def test_a_user_without_access_is_told_permission_denied(tmp_path):
+    """Audit: a user who may not enter the spool heard "not a spool; run
+    'spoolq init'" (status, cancel, compact...) or "cannot read config.json"
+    with exit 2, the code for bad input; and a worker whose config.json
+    became unreadable died on SIGHUP."""
+    import tempfile
+
+    from conftest import wait_for
+
+    base = tempfile.mkdtemp(prefix="spoolq-access-")
+    try:
+        os.chmod(base, 0o755)
+        nobody = _user("nobody")
+        as_nobody = ["setpriv", f"--reuid={nobody.pw_uid}", f"--regid={nobody.pw_gid}", "--clear-groups"]
+        if subprocess.run(as_nobody + SPOOLQ + ["--version"], capture_output=True).returncode != 0:
+            pytest.skip("spoolq is not installed where nobody can run it")
+        private = os.path.join(base, "private")
+        subprocess.run(SPOOLQ + ["-s", private, "init"], check=True, capture_output=True)
+        for args in (["status"], ["cancel", "x"], ["compact"], ["enqueue", "true"], ["work"], ["config", "list"]):
+            proc = subprocess.run(as_nobody + SPOOLQ + ["-s", private, *args], capture_output=True, text=True)
+            assert proc.returncode == 1 and proc.stderr.startswith("spoolq: permission denied: "), (args, proc.stderr)
+        own = os.path.join(base, "own")
+        os.mkdir(own)
+        os.chown(own, nobody.pw_uid, nobody.pw_gid)
+        worker = subprocess.Popen(as_nobody + SPOOLQ + ["-s", own, "work", "--watch"], stderr=subprocess.PIPE, text=True)
+        try:
+            wait_for(lambda: os.path.isdir(os.path.join(own, "workers")) and os.listdir(os.path.join(own, "workers")),
+                     what="the worker to start")
+            config = os.path.join(own, "config.json")
+            with open(config, "w") as f:
+                f.write("{}")
+            os.chmod(config, 0)
+            worker.send_signal(signal.SIGHUP)
+            wait_for(lambda: "reload failed" in worker.stderr.readline(), what="the reload to fail")
+            assert worker.poll() is None  # still running
+        finally:
+            worker.terminate()
+            assert worker.wait(timeout=30) == 0
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
