@@ -271,21 +271,23 @@ def _wait_exit(pid: int, pidfd: int | None, timeout: float | None, spin_until: f
         delay = min(delay * 2, 0.02)
 
 
-TRIM_EVERY = 0.25  # seconds between checks of how much output a running job captured
+TRIM_EVERY = 0.25  # at most this many seconds between checks of how much output a running job captured
+TRIM_FIRST = 0.005  # the first check; the interval doubles while little is written, and shrinks when much is
 TRIM_ABOVE = 1 << 20  # captured output beyond this (and 4x output_limit) is let go
 
 
 _fallocate: Any = None
 
 
-def _trim(fd: int, keep: int) -> None:
+def _trim(fd: int, keep: int) -> int:
     """Free all but the last ``keep`` bytes of a growing output file (punch
     a hole; the size stays, reads of the hole give zeros), so a job that
-    writes gigabytes costs the worker only its tail in memory."""
+    writes gigabytes costs the worker only its tail in memory. Returns the
+    file's size (all the job wrote)."""
     global _fallocate
     size = os.fstat(fd).st_size
     if size <= max(TRIM_ABOVE, 4 * keep):
-        return
+        return size
     if _fallocate is None:
         try:
             import ctypes
@@ -298,6 +300,17 @@ def _trim(fd: int, keep: int) -> None:
     if _fallocate:
         length = (size - keep) & ~4095
         _fallocate(fd, 0x01 | 0x02, 0, length)  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
+    return size
+
+
+def _next_trim(wait: float, grown: int) -> float:
+    """The wait before the next look at a job's output, after it wrote
+    ``grown`` bytes during the last ``wait``: longer (up to TRIM_EVERY)
+    while it writes little, short enough for ~TRIM_ABOVE a look while it
+    writes fast (a job printing `yes` writes a gigabyte a second here)."""
+    if grown <= TRIM_ABOVE // 4:
+        return min(TRIM_EVERY, wait * 2)
+    return max(TRIM_FIRST, min(TRIM_EVERY, wait * TRIM_ABOVE / grown))
 
 
 def _supervise(pid: int, limits: Limits, handle: RunHandle, outputs: tuple[int, ...] = (), keep: int = 0,
@@ -324,8 +337,9 @@ def _supervise(pid: int, limits: Limits, handle: RunHandle, outputs: tuple[int, 
             if _wait_exit(pid, pidfd, slow_after, spin_until):
                 return False
             slow()
+        trim_wait, written = TRIM_FIRST, dict.fromkeys(outputs, 0)
         while True:
-            wait = TRIM_EVERY if outputs else None
+            wait = trim_wait if outputs else None
             if deadline is not None:
                 left = max(0.0, deadline - time.monotonic())
                 wait = left if wait is None else min(wait, left)
@@ -333,8 +347,11 @@ def _supervise(pid: int, limits: Limits, handle: RunHandle, outputs: tuple[int, 
                 return False
             if deadline is not None and time.monotonic() >= deadline:
                 break
+            grown = 0
             for fd in outputs:
-                _trim(fd, keep)
+                size = _trim(fd, keep)
+                grown, written[fd] = max(grown, size - written[fd]), size
+            trim_wait = _next_trim(trim_wait, grown)
         with handle._lock:
             _killpg(pid, signal.SIGTERM)
         if not _wait_exit(pid, pidfd, limits.grace):

@@ -128,6 +128,32 @@ def test_a_timeout_or_a_second_signal_also_kills_what_left_the_process_group(fas
     wait_for(lambda: not _alive(pid), timeout=10, what="the escaped process to die")
 
 
+def test_a_job_that_floods_its_output_costs_the_worker_only_a_little_memory(fast_spool):
+    """Audit: a worker looked at a job's captured output every 0.25 s, so a
+    job printing `yes` (a gigabyte a second here) held 100-450 MB of memory
+    between two looks. It now looks sooner while a job writes fast. The
+    resident size of the output file is read from the test, through
+    /proc/PID/fd, as the job runs."""
+    s = fast_spool
+    s.enqueue("--timeout", "2", "--max-attempts", "1", "yes")
+    worker = s.popen("work", stderr=subprocess.DEVNULL)
+    peak = written = 0
+    while worker.poll() is None:
+        try:
+            for fd in os.listdir(f"/proc/{worker.pid}/fd"):
+                if "spoolq-stdout" in os.readlink(f"/proc/{worker.pid}/fd/{fd}"):
+                    st = os.stat(f"/proc/{worker.pid}/fd/{fd}")
+                    peak, written = max(peak, st.st_blocks * 512), max(written, st.st_size)
+        except OSError:
+            pass  # an output file closed meanwhile
+        time.sleep(0.001)
+    assert worker.returncode == 0
+    if written < 640 << 20:
+        pytest.skip(f"the job wrote only {written >> 20} MB: too slowly to tell")
+    assert peak < 160 << 20, f"{peak >> 20} MB resident of {written >> 20} MB written"
+    assert s.show(s.ids("dead")[0])["stdout"].endswith("y\n")
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
