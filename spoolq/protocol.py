@@ -607,7 +607,11 @@ class SpoolDir:
         """Write ``data`` to a fresh file in tmp/; return its tmp name and open fd."""
         tmp = self.tmp_name(name)
         tmp_dir = self.fd("tmp")
-        fd = _open_held(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, self.file_mode, dir_fd=tmp_dir)
+        try:
+            fd = _open_held(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, self.file_mode, dir_fd=tmp_dir)
+        except OSError as e:
+            e.filename = self.path("tmp", tmp)  # not a bare name: say where (a full disk, a read-only one)
+            raise
         try:
             if self.shared:
                 os.fchmod(fd, self.file_mode)  # the umask may have taken group bits away
@@ -615,9 +619,11 @@ class SpoolDir:
             if mtime_ns is not None:
                 os.utime(fd, ns=(mtime_ns, mtime_ns))
             return tmp, fd
-        except BaseException:
+        except BaseException as e:
             _close_held(fd)
             _unlink_quietly(tmp_dir, tmp)
+            if isinstance(e, OSError) and not e.filename:
+                e.filename = self.path("tmp", tmp)
             raise
 
     def publish(self, name: str, data: bytes, mtime_ns: int | None = None) -> None:

@@ -150,6 +150,7 @@ def test_enqueue_on_a_full_disk_fails_cleanly(tiny_fs):
     _fill(tiny_fs / "filler")
     proc = s.run("enqueue", "--payload", json.dumps("x" * 5000), "true", check=False)
     assert proc.returncode == 1 and "No space left on device" in proc.stderr
+    assert f": {s.path}/tmp/" in proc.stderr  # audit: it named a bare tmp file, not where it is
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
     lines = "".join(json.dumps({"command": "true", "pad": "y" * 3000}) + "\n" for _ in range(20))
     proc = s.run("enqueue", "--jsonl", "-", input=lines, check=False)
