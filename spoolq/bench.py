@@ -68,7 +68,11 @@ class Bench:
 
     def add(self, fig: Figure) -> Figure:
         self.figures[fig.name] = fig
-        self.say(f"{fig.name}: {fig.rate:,.0f} jobs/s ({fig.us_per_job:,.1f} us/job){'  ' + fig.note if fig.note else ''}")
+        note = f"  {fig.note}" if fig.note else ""
+        if fig.kind == "rate" and fig.jobs:
+            self.say(f"{fig.name}: {fig.rate:,.0f} jobs/s ({fig.us_per_job:,.1f} us/job){note}")
+        else:  # a time or a latency: its figures are in the note
+            self.say(f"{fig.name}:{note}")
         return fig
 
     def say(self, text: str) -> None:

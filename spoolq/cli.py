@@ -583,7 +583,7 @@ def config_set(ctx, key, value):
 
 
 @cli.command()
-@click.option("--jobs", "n", type=click.IntRange(min=1000), default=20000, show_default=True, help="Jobs per figure.")
+@click.option("--jobs", "n", type=click.IntRange(min=1000), default=20000, show_default=True, help="Jobs per figure (the scale, history and used sections size themselves: see --scale).")
 @click.option("--fsync/--no-fsync", default=None, help="Measure with fsync on or off (default: the spool's setting).")
 @click.option("--section", "sections", multiple=True, type=click.Choice(["enqueue", "drain", "true", "latency", "sqlite", "status", "scale", "history", "used"]),
               help="Only these sections (repeatable).")
@@ -612,7 +612,7 @@ def bench(ctx, n, fsync, sections, true_jobs, scale_sizes, compare, as_json, kee
     if compare == "sqlite" and "sqlite" not in chosen:
         chosen += ("sqlite",)
     result = benchmod.run(spool.path, n, fsync, sections=chosen,
-                          true_jobs=true_jobs, scale_sizes=sizes, keep=keep, progress=not as_json)
+                          true_jobs=true_jobs, scale_sizes=sizes, keep=keep, progress=True)  # (to stderr: --json stays clean)
     echo(benchmod.report(result, as_json))
 
 
