@@ -673,14 +673,14 @@ class Worker:
         on_slow = (self._look_ahead_hold, self._drop_ahead) if self.jobs == 1 else None
 
         out: Outcome
-        began = time.time()  # what a stopped run's record says it started at
+        run_began = time.time()  # what a stopped run's record says it started at
         try:
             if self._forced:
                 handle.interrupted = True
             if job.get("kind") is not None:
                 handler = self.handlers.get(job["kind"])
                 if self._forced:
-                    out = Outcome(start=began, end=began, error="killed: the worker was told to stop now", interrupted=True,
+                    out = Outcome(start=run_began, end=run_began, error="killed: the worker was told to stop now", interrupted=True,
                                   not_started=True)
                 elif inline:
                     out = call_handler(handler, job, limits, handle)
@@ -696,9 +696,9 @@ class Worker:
                                   threaded=self.jobs > 1, outputs=outputs, spent=spent, spin=spin)
                 self._last_short = time.monotonic() - began < self._spin_window
         except ForcedStop:
-            out = Outcome(start=began, end=time.time(), error="killed: the worker was told to stop now", interrupted=True)
+            out = Outcome(start=run_began, end=time.time(), error="killed: the worker was told to stop now", interrupted=True)
         except Exception as e:  # spoolq's own failure to run it: a failed run, not a dead worker
-            out = Outcome(start=began, end=time.time(), error=f"internal error running the job: {type(e).__name__}: {e}")
+            out = Outcome(start=run_began, end=time.time(), error=f"internal error running the job: {type(e).__name__}: {e}")
         finally:
             with self._lock:
                 self._running.pop(thread_id, None)

@@ -154,6 +154,23 @@ def test_a_job_that_floods_its_output_costs_the_worker_only_a_little_memory(fast
     assert s.show(s.ids("dead")[0])["stdout"].endswith("y\n")
 
 
+@pytest.mark.skipif(shutil.which("strace") is None, reason="strace is not installed (apt-get install strace)")
+def test_a_run_that_spoolq_itself_failed_to_run_keeps_a_real_start_time(fast_spool):
+    """Review: a command job whose run failed inside spoolq (here the write
+    of its payload, made to fail by strace: the worker's second write) was
+    recorded with a start time from the monotonic clock: 1970 in its
+    history, a duration of 56 years in the log and in stats."""
+    s = fast_spool
+    job_id = s.enqueue("--payload", '{"a": 1}', "cat > /dev/null")
+    proc = subprocess.run(["strace", "-qq", "-o", os.devnull, "-e", "trace=write", "-e", "inject=write:error=EIO:when=2",
+                           *SPOOLQ, "-s", str(s.path), "work"], capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, PYTHONDONTWRITEBYTECODE="1"))
+    assert proc.returncode == 0, proc.stderr
+    run = s.record("failed", job_id)["history"][0]
+    assert run["error"].startswith("internal error running the job: OSError")
+    assert run["start"][:4] == run["end"][:4] == time.strftime("%Y", time.gmtime())
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
