@@ -206,6 +206,9 @@ def enqueue(ctx, args, use_argv, kind, payload, job_json, jsonl, job_id, max_att
         except PartlyEnqueued as e:
             _print_ids(e.ids)  # these will run: a caller must not enqueue them again
             raise
+        except KeyboardInterrupt as e:  # Ctrl-C part way: the same
+            _print_ids(getattr(e, "published_ids", []))
+            raise
         _print_ids(ids)
         return
     if job_json is not None:

@@ -672,11 +672,18 @@ class SpoolDir:
                 if name not in done:
                     _unlink_quietly(tmp_dir, tmp)
             if published:
-                self.sync_dir("new")
+                try:
+                    self.sync_dir("new")
+                except OSError:
+                    pass  # the error raised already says the disk is in trouble
             e.published = published  # type: ignore[attr-defined]
             raise
         if published:
-            self.sync_dir("new")
+            try:
+                self.sync_dir("new")
+            except OSError as e:  # all are in new/, not surely on disk: say which
+                e.published = published  # type: ignore[attr-defined]
+                raise
         return published
 
     def find(self, names: tuple[str, ...], states: tuple[str, ...] = STATES) -> tuple[str, str] | None:

@@ -32,7 +32,11 @@ class PartlyEnqueued(SpoolError):
     jobs that are in ``new/`` and will run, in order; the rest are not."""
 
     def __init__(self, ids: list[str], total: int, cause: str):
-        super().__init__(f"only the first {len(ids)} of {total} jobs were enqueued; the rest were not: {cause}")
+        if len(ids) < total:
+            message = f"only the first {len(ids)} of {total} jobs were enqueued; the rest were not: {cause}"
+        else:
+            message = f"all {total} jobs are in new/ and will run, but new/ could not be synced: {cause}"
+        super().__init__(message)
         self.ids = ids
         self.total = total
 
@@ -217,12 +221,13 @@ class Spool:
             items.append((file_name(job_id), data, mtime_ns))
         try:
             names = self.dir.publish_many(items)
-        except Exception as e:
+        except BaseException as e:
             published = [id_of(n) for n in getattr(e, "published", ())]
             cause = f"id {id_of(str(e))} is already in new/" if isinstance(e, Exists) else _reason(e)
-            if not published:
+            if not published or not isinstance(e, Exception):
                 if isinstance(e, Exists):
                     raise DuplicateId(cause) from None
+                e.published_ids = published  # type: ignore[attr-defined]  # (a KeyboardInterrupt part way)
                 raise
             # Some are in new/ already and will run: say which, or a caller
             # that tries the whole batch again runs them twice.

@@ -188,6 +188,22 @@ def test_a_bulk_enqueue_that_fails_part_way_names_the_jobs_it_enqueued(spool):
                            sys.executable, "-c", script, str(s.path)], capture_output=True, text=True, timeout=60)
     assert proc.stdout == "2 5 True\n", proc.stderr
     assert len(s.ids("new")) == 5 and s.names("tmp") == []
+    # Review: a failing fsync of new/ (after a failed move, or after all of
+    # them) raised without the ids of the jobs already in new/.
+    for injected, printed, message in [
+        (["inject=renameat2:error=ENOSPC:when=4", "inject=fsync:error=EIO:when=1"], 3,
+         "only the first 3 of 10 jobs were enqueued; the rest were not: No space left on device"),
+        (["inject=fsync:error=EIO:when=1"], 10,
+         "all 10 jobs are in new/ and will run, but new/ could not be synced: Input/output error"),
+    ]:
+        lines = "".join(json.dumps({"command": "true"}) + "\n" for _ in range(10))
+        before = set(s.ids("new"))
+        proc = subprocess.run(["strace", "-qq", "-o", os.devnull, "-e", "trace=renameat2,fsync",
+                               *[arg for spec in injected for arg in ("-e", spec)],
+                               *SPOOLQ, "-s", str(s.path), "enqueue", "--jsonl", "-"], input=lines, capture_output=True,
+                              text=True, timeout=60)
+        assert (proc.returncode, proc.stderr) == (1, f"spoolq: {message}\n")
+        assert len(proc.stdout.split()) == printed and set(proc.stdout.split()) == set(s.ids("new")) - before
 
 
 @pytest.mark.skipif(shutil.which("strace") is None, reason="strace is not installed (apt-get install strace)")
