@@ -1206,19 +1206,20 @@ class Held:
                 if keep_name:
                     raise
                 target = sp._free_name(to_folder, to_name or self.name, force_suffix=True)
+        # Where the file is now, before a sync that may fail: a caller told
+        # of that failure must not think the job is still where it was.
+        from_folder, self.folder, self.name = self.folder, to_folder, target
         if sp.fsync:
             if defer_sync:
                 with sp._open_lock:
                     if not sp.has_deferred:
                         sp.unsynced_since = time.monotonic()
                     sp._unsynced_dst.add(to_folder)
-                    sp._unsynced_src.add(self.folder)
+                    sp._unsynced_src.add(from_folder)
             else:
                 os.fsync(dst_dir)
                 if src_dir != dst_dir:
                     os.fsync(src_dir)
-        self.folder = to_folder
-        self.name = target
         return target
 
     def release(self) -> None:

@@ -775,9 +775,11 @@ class Worker:
             claimed.held.release()
             self.failed_to_record = True
             self._stopping = True
+            where = claimed.held.folder  # cur/, unless the move was made and only its sync failed
             self.log.line(
                 f"worker={self._wid} job={job_id} error={_quote(f'cannot record the outcome: {type(e).__name__}: {e}')} "
-                "it stays in cur/ for recovery; the worker stops claiming",
+                + ("it stays in cur/ for recovery" if where == "cur" else f"it is in {where}/, not synced")
+                + "; the worker stops claiming",
                 0,
             )
             return
@@ -804,8 +806,18 @@ class Worker:
         finished as an interrupted run, as before)."""
         try:
             folder = transitions.unclaim(self.ctx, claimed)
-        except Exception:
-            return False
+        except Exception as e:
+            if claimed.held.folder == "cur":
+                return False  # not moved: finished as an interrupted run
+            # Moved back, but a sync after failed: as for any record that
+            # cannot be made durable, claim no more.
+            claimed.held.release()
+            self._forget_run(claimed.job_id)
+            self.failed_to_record = True
+            self._stopping = True
+            self.log.line(f"worker={self._wid} job={claimed.job_id} error={_quote(f'{type(e).__name__}: {e}')} "
+                          f"back in {claimed.held.folder}/ but not synced; the worker stops claiming", 0)
+            return True
         self._forget_run(claimed.job_id)
         self.log.line(f"worker={self._wid} job={claimed.job_id} not started: the worker was told to stop now; "
                       f"back in {folder}/", 1)

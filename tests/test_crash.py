@@ -248,6 +248,25 @@ def test_a_job_stopped_between_its_claim_and_its_start_goes_back_uncounted(fast_
     assert job["state"] == "done" and job["attempts"] == 1 and ran.read_text() == "ran\n"
 
 
+@pytest.mark.skipif(shutil.which("strace") is None, reason="strace is not installed (apt-get install strace)")
+def test_a_job_put_back_whose_folder_sync_fails_is_not_also_finished(spool):
+    """Review: when the sync after moving a not-started job back failed, the
+    worker still took the job for one in cur/ and finished it as an
+    interrupted run, leaving a stray staged record in cur/. The signals as
+    in the test above, with fsync on; the put-back's fsync of new/ (the
+    worker's first fsync) fails."""
+    s = spool
+    job_id = s.enqueue("--payload", '{"a": 1}', "cat > /dev/null")
+    before = s.record("new", job_id)
+    proc = subprocess.run(["strace", "-qq", "-o", os.devnull, "-e", "trace=renameat2,memfd_create,fsync",
+                           "-e", "inject=renameat2:signal=TERM:when=2", "-e", "inject=memfd_create:signal=TERM:when=3",
+                           "-e", "inject=fsync:error=EIO:when=1",
+                           *SPOOLQ, "-s", str(s.path), "work"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "back in new/ but not synced; the worker stops claiming" in proc.stderr, proc.stderr
+    assert s.where(job_id) == ["new"] and s.record("new", job_id) == before
+    assert os.listdir(s.path / "cur") == []
+
+
 def test_a_run_that_finished_but_was_not_moved_is_completed_not_rerun(fast_spool):
     """Recovery of a job whose outcome was recorded (attempts match the
     registration) just finishes the move: the run is not counted twice."""
