@@ -189,9 +189,12 @@ def _disk_full_explained(change):
         try:
             return change(self, *args, **kwargs)
         except sqlite3.Error as error:
+            # SQLITE_READONLY, SQLITE_IOERR, SQLITE_FULL (primary codes)
+            full = (getattr(error, "sqlite_errorcode", 0) or 0) & 0xFF in (8, 10, 13)
             try:
                 fs = os.statvfs(os.path.dirname(self.path) or ".")
-                full = fs.f_bavail == 0 or fs.f_favail == 0
+                # (A filesystem without inode counts, btrfs for one, reports f_files 0.)
+                full = full and (fs.f_bavail == 0 or (fs.f_files > 0 and fs.f_favail == 0))
             except OSError:
                 full = False
             if full:
@@ -199,6 +202,9 @@ def _disk_full_explained(change):
             raise
 
     return wrapper
+
+
+READ_ONLY_FOR = 5.0  # seconds a read-only fallback connection is used before read-write is tried again
 
 
 class Index:
@@ -209,6 +215,7 @@ class Index:
         self.durable = durable
         self.shared = shared  # a group-shared spool: the database and its -wal and -shm files 0660
         self.read_only = False  # the connection is the read-only fallback (see db)
+        self._read_only_since = 0.0
         self._db: sqlite3.Connection | None = None
 
     @property
@@ -216,6 +223,8 @@ class Index:
         """The connection: read-write, or, when that cannot be had (a full
         disk, where WAL's -shm file cannot be made), read-only, so that
         status and history still answer. A change reopens it (writable)."""
+        if self._db is not None and self.read_only and time.monotonic() - self._read_only_since > READ_ONLY_FOR:
+            self.close()  # the trouble may be over: a long-lived process must not read a snapshot for ever
         if self._db is None:
             try:
                 self._db = self._open()
@@ -225,14 +234,16 @@ class Index:
                 except sqlite3.Error:
                     raise error from None
                 self.read_only = True
+                self._read_only_since = time.monotonic()
         return self._db
 
     def writable(self) -> sqlite3.Connection:
-        """The connection for a change: read-write, or the error why not."""
-        if self.read_only:
+        """The connection for a change: read-write, or the error why not
+        (never the read-only fallback)."""
+        if self._db is None or self.read_only:
             self.close()
             self._db = self._open()
-        return self.db
+        return self._db
 
     def _open(self) -> sqlite3.Connection:
         if self.shared:
@@ -252,7 +263,10 @@ class Index:
     def _open_read_only(self) -> sqlite3.Connection:
         """The database opened read-only: ``mode=ro``, else ``immutable``
         (which reads the main file alone, without what the -wal file holds
-        that was not yet checkpointed: a little behind, never wrong)."""
+        that was not yet checkpointed: a little behind; and, taking no
+        locks, it could read a page a checkpoint is writing at that
+        instant, which SQLite then reports as an error: a last resort,
+        kept for READ_ONLY_FOR seconds at most)."""
         from urllib.parse import quote
 
         for flags in ("mode=ro", "mode=ro&immutable=1"):
@@ -280,11 +294,19 @@ class Index:
             os.close(fd)
         for path in (self.path, self.path + "-wal", self.path + "-shm"):
             try:
-                st = os.lstat(path)
-                if st.st_uid == os.geteuid() and stat.S_ISREG(st.st_mode) and st.st_mode & 0o660 != 0o660:
-                    os.chmod(path, 0o660)
+                # Through a descriptor opened without following a symlink: a
+                # member of the group could swap one in for the name.
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
             except OSError:
-                pass  # not there, or not ours: its owner's process mends it
+                continue  # not there, or not a file we may open: its owner's process mends it
+            try:
+                st = os.fstat(fd)
+                if st.st_uid == os.geteuid() and stat.S_ISREG(st.st_mode) and st.st_mode & 0o660 != 0o660:
+                    os.fchmod(fd, 0o660)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
 
     def close(self) -> None:
         if self._db is not None:

@@ -589,3 +589,4 @@ def test_a_user_without_access_is_told_permission_denied(tmp_path):
             assert worker.wait(timeout=30) == 0
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
