@@ -739,14 +739,13 @@ def _recover_batch(ctx: Context, report: RecoveryReport, batch: int, tried: set[
         # A run whose processes live on and are not ours to kill (a worker of
         # another user died) keeps its job in cur/, and its registration
         # entry, until they end: recovered now, it would run twice at once.
+        # (A run that had finished is completed all the same: it runs no more.)
         still_running = set().union(*(reg.unkillable for reg in dead_workers))
-        recovered_ids = held_ids - still_running
+        recovered_ids = set(held_ids)
         for h in held:
-            if id_of(h.name) in still_running:
-                report.left_running += 1
-                continue
-            _recover_one(ctx, h, runs.get(id_of(h.name)), staged.get(h.name, ()), report,
-                         dead_workers[0] if dead_workers else None)
+            if _recover_one(ctx, h, runs.get(id_of(h.name)), staged.get(h.name, ()), report,
+                            dead_workers[0] if dead_workers else None, id_of(h.name) in still_running):
+                recovered_ids.discard(id_of(h.name))
         for reg in dead_workers:
             # Clear a registration only when none of its jobs is left in cur/
             # for another recovery (which holds it right now) to handle, or
@@ -766,13 +765,17 @@ def _recover_batch(ctx: Context, report: RecoveryReport, batch: int, tried: set[
 
 
 def _recover_one(ctx: Context, held: Held, run: tuple | None, staged: tuple[str, ...] | list[str],
-                 report: RecoveryReport, spare_reg: registry.DeadRegistration | None = None) -> None:
+                 report: RecoveryReport, spare_reg: registry.DeadRegistration | None = None,
+                 processes_live: bool = False) -> bool:
+    """Recover one job; True if it was left in cur/ (see _recover_held)."""
     staged_held: list[Held] = []
     try:
-        _recover_held(ctx, held, run, staged, staged_held, report, spare_reg)
+        if _recover_held(ctx, held, run, staged, staged_held, report, spare_reg, processes_live):
+            return True
         # Only now, with the job out of cur/, are its staged records spent.
         for h in staged_held:
             h.unlink()
+        return False
     finally:
         for h in staged_held:
             h.release()
@@ -780,13 +783,15 @@ def _recover_one(ctx: Context, held: Held, run: tuple | None, staged: tuple[str,
 
 def _recover_held(ctx: Context, held: Held, run: tuple | None, staged: tuple[str, ...] | list[str],
                   staged_held: list[Held], report: RecoveryReport,
-                  spare_reg: registry.DeadRegistration | None = None) -> None:
+                  spare_reg: registry.DeadRegistration | None = None, processes_live: bool = False) -> bool:
+    """Move a dead worker's job on; True if it is left in cur/ instead: an
+    interrupted run whose processes live on (``processes_live``)."""
     try:
         job = check(ctx, held.st, held.read, held.name)
     except InvalidJob:
         quarantine(ctx, held, "invalid")
         report.quarantined += 1
-        return
+        return False
     attempts = int(job.get("attempts") or 0)
     reg, entry = run if run else (None, None)
     run_attempt = entry.get("attempt") if entry and isinstance(entry.get("attempt"), int) else attempts + 1
@@ -804,7 +809,10 @@ def _recover_held(ctx: Context, held: Held, run: tuple | None, staged: tuple[str
             due = time.time() + _backoff(ctx, int(job.get("attempts") or 1))
         _write_and_move(held, job, job["state"], due)
         report.completed += 1
-        return
+        return False
+    if processes_live:
+        report.left_running += 1
+        return True
     worker_id = str(reg.info.get("worker")) if reg else None
     started = entry.get("started_at") if entry else None
     start = time.time()
@@ -830,6 +838,7 @@ def _recover_held(ctx: Context, held: Held, run: tuple | None, staged: tuple[str
         report.dead += 1
     else:
         report.recovered += 1
+    return False
 
 
 def _continues(job: dict, outcome: dict) -> bool:
