@@ -22,6 +22,7 @@ import os
 import select
 import signal
 import subprocess
+import sys
 import threading
 import time
 import traceback
@@ -55,6 +56,7 @@ class Outcome:
     timed_out: bool = False
     interrupted: bool = False
     not_started: bool = False  # stopped before it began: no run to count (the job goes back as it was)
+    exit_request: Any = _NO_RESULT  # the code of a sys.exit() in a handler (see call_handler)
 
     @property
     def ok(self) -> bool:
@@ -507,10 +509,26 @@ def call_handler(handler: Callable[[Any], Any] | None, job: dict, limits: Limits
         if os.getpid() != worker_pid:
             # A child the handler forked has returned from it: going on, it
             # would be a second worker running jobs the first already ran.
-            os._exit(0 if out.error is None else 1)
+            _end_forked_child(out)
         _leave_inline(handle)
     out.end = time.time()
     return out
+
+
+def _end_forked_child(out: Outcome) -> None:
+    """End a process a handler forked, where it returned: its exit status
+    what it asked with sys.exit() (as Python would give it), else 0 for a
+    return and 1 for an exception; what it printed flushed first."""
+    code = 0 if out.error is None else 1
+    if out.exit_request is not _NO_RESULT:
+        request = out.exit_request
+        code = request if isinstance(request, int) else (0 if request is None else 1)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+    os._exit(code & 0xFF)
 
 
 def _leave_inline(handle: RunHandle) -> None:
@@ -533,6 +551,7 @@ def _call_into(out: Outcome, handler, job: dict, limits: Limits) -> None:
         out.error, out.stderr = _describe_exception(e, limits.output_limit)
         if isinstance(e, SystemExit):
             out.error = f"the handler called sys.exit({e.code!r})"
+            out.exit_request = e.code
         return
     try:
         out.result = _json_result(value)

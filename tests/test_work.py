@@ -591,6 +591,29 @@ def test_a_process_a_handler_forks_does_not_go_on_as_a_second_worker(fast_spool,
     assert {s.show(i)["state"] for i in s.ids("done")} == {"done"} and len(s.ids("done")) == 5
 
 
+def test_a_forked_child_that_exits_from_a_handler_keeps_its_status_and_output(fast_spool, tmp_path):
+    """Review: the fork guard ended such a child with status 1 for the usual
+    `sys.exit(0)` (the handler's SystemExit is caught as a failure) and
+    lost what it had printed (os._exit flushes nothing)."""
+    s = fast_spool
+    status = tmp_path / "status"
+    (tmp_path / "exitapp.py").write_text(
+        "import os, sys\n"
+        "def forker(payload):\n"
+        "    pid = os.fork()\n"
+        "    if pid == 0:\n"
+        "        print('printed by the child')\n"
+        "        sys.exit(payload)\n"
+        "    _, code = os.waitpid(pid, 0)\n"
+        f"    open({str(status)!r}, 'a').write(f'{{os.waitstatus_to_exitcode(code)}}\\n')\n"
+        "HANDLERS = {'fork': forker}\n")
+    for code in ("0", "3"):
+        s.enqueue("--kind", "fork", "--payload", code)
+    proc = s.run("work", "--app", "exitapp:HANDLERS", cwd=str(tmp_path))
+    assert status.read_text().split() == ["0", "3"]
+    assert proc.stdout.count("printed by the child") == 2
+
+
 def test_a_stop_while_the_worker_processes_start_ends_cleanly(fast_spool):
     """SIGTERM right after `work -j 4` starts, many times: never a worker
     process killed by the signal passed on before it could handle it."""
