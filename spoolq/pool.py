@@ -163,15 +163,15 @@ def _worker_process(make_spool, handlers, share, max_time, watch, poll, log, par
     code = 1
     try:
         worker = Worker(make_spool(), handlers=handlers, jobs=1, max_jobs=share, max_time=max_time,
-                        watch=watch, poll=poll, log=log, relayed=True, processes=processes)
+                        watch=watch, poll=poll, log=log, relayed=True, pool_parent=parent, processes=processes)
         # Until run() puts them in place (the same ones). SIGCHLD was
         # blocked for the parent's sake only.
         for sig in HANDLED_SIGNALS:
             signal.signal(sig, worker._on_signal)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, HANDLED_SIGNALS + (signal.SIGCHLD,))
         die_with_parent(signal.SIGUSR1)  # stop claiming when the command dies
-        if os.getppid() != parent:  # the parent died before that took hold
-            worker.stop()
+        if os.getppid() != parent:  # the parent died before that took hold: as if it had come
+            worker._on_signal(signal.SIGUSR1, None)
         worker.run()
         code = 1 if worker.failed_to_record else 0
     except BaseException as e:  # a worker process must never return into the parent's code

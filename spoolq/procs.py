@@ -192,6 +192,7 @@ def kill_marked(markers: list[str]) -> int:
     needles = {m.encode() for m in markers}
     me = os.getpid()
     killed = 0
+    empty = 0
     for _ in range(20):  # a process may fork while we kill; repeat until none is left
         try:
             pids = [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != me]
@@ -208,7 +209,14 @@ def kill_marked(markers: list[str]) -> int:
             if desc is not None and desc[0] not in ("Z", "X"):
                 found.append((pid, desc[2]))
         if not found:
-            break
+            # Twice in a row: a process in the middle of an exec shows an
+            # empty environment for that instant.
+            empty += 1
+            if empty == 2:
+                break
+            time.sleep(0.01)
+            continue
+        empty = 0
         for pid, started in found:
             try:
                 killed += kill_verified(pid, started)

@@ -190,6 +190,7 @@ class Worker:
         waker: Waker | None = None,
         recover: bool = True,
         relayed: bool = False,
+        pool_parent: int | None = None,
         processes: int = 1,
     ):
         if jobs < 1:
@@ -213,7 +214,7 @@ class Worker:
         self.relayed = relayed
         # ... unless that parent is gone (killed with -9; the worker processes
         # finish their jobs): then signals sent to this one are its own.
-        self._pool_parent = os.getppid() if relayed else None
+        self._pool_parent = (pool_parent or os.getppid()) if relayed else None
         self.processes = processes  # worker processes of the same command, this one included
         self.recover = recover
         self.waker = waker

@@ -223,7 +223,8 @@ def test_a_cancel_or_retry_whose_record_cannot_be_rewritten_after_the_move_still
 
     def failing_write(*args: str, when: str = "1") -> subprocess.CompletedProcess:
         return subprocess.run(["strace", "-qq", "-o", os.devnull, "-e", "trace=write", "-e", f"inject=write:error=ENOSPC:when={when}",
-                               *SPOOLQ, "-s", str(s.path), *args], capture_output=True, text=True, timeout=60)
+                               *SPOOLQ, "-s", str(s.path), *args], capture_output=True, text=True, timeout=60,
+                              env=dict(os.environ, PYTHONDONTWRITEBYTECODE="1"))  # no .pyc write to count
 
     proc = failing_write("cancel", "later")
     assert proc.returncode == 0 and proc.stdout == "cancelled later\n"

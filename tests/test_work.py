@@ -110,9 +110,9 @@ def test_a_timeout_or_a_second_signal_also_kills_what_left_the_process_group(fas
     s.config("backoff_initial", 0)
     pids = tmp_path / "pids"
     escaping = f"setsid sh -c 'echo $$ >> {pids}; exec sleep 300' & wait"
-    timed_out = s.enqueue("--timeout", "1", "--max-attempts", "1", escaping)
+    timed_out = s.enqueue("--timeout", "3", "--max-attempts", "1", escaping)  # (time to start it, on a busy machine)
     s.work(timeout=60)
-    assert s.show(timed_out)["error"] == "timed out after 1s"
+    assert s.show(timed_out)["error"] == "timed out after 3s"
     pid = int(pids.read_text())
     wait_for(lambda: not _alive(pid), timeout=10, what="the escaped process to die")
     pids.unlink()
@@ -148,7 +148,7 @@ def test_a_job_that_floods_its_output_costs_the_worker_only_a_little_memory(fast
             pass  # an output file closed meanwhile
         time.sleep(0.001)
     assert worker.returncode == 0
-    if written < 640 << 20:
+    if written < 1300 << 20:  # below ~650 MB/s, even looks every 250 ms would hold under the bound
         pytest.skip(f"the job wrote only {written >> 20} MB: too slowly to tell")
     assert peak < 160 << 20, f"{peak >> 20} MB resident of {written >> 20} MB written"
     assert s.show(s.ids("dead")[0])["stdout"].endswith("y\n")
