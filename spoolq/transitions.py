@@ -245,10 +245,13 @@ def prepare(ctx: Context, entry: Entry, now_ns: int, on_quarantine: Callable[[st
                 held.rewrite(record.dumps(job))
                 rewritten = True
         if job.get("state") == "dead":
-            # Moved back from dead/ by hand: a fresh round. Written down now,
-            # so a crash during the run is counted against the new round.
+            # Moved back from dead/ by hand (or by a retry killed before its
+            # rewrite): a fresh round, noted as `spoolq retry` notes it.
+            # Written down now, so a crash during the run is counted
+            # against the new round.
             job["attempts"] = 0
             job["state"] = "new"
+            job["retried_at"] = rfc3339()
             held.rewrite(record.dumps(job))
             rewritten = True
         # take() tells a postponement (touch -d) from our own rewrite by this

@@ -246,6 +246,7 @@ def test_dead_job_back_with_retry_and_with_mv(fast_spool):
         assert job["state"] == "done"
         assert job["attempts"] == 1  # a fresh round ...
         assert len(job["history"]) == 3  # ... with the history kept
+        assert "retried_at" in job  # either way (a crash audit: the mv way did not say so)
 
 
 def test_retry_all_and_exit_codes(fast_spool):
