@@ -496,7 +496,7 @@ def sweep(ctx):
     )
     if r.left_running:
         echo(f"left {r.left_running} jobs in cur/: their processes still run and are another user's to kill "
-             "(they are recovered once those end)")
+             "(the first sweep or worker start after those end recovers them)")
 
 
 @cli.command()

@@ -446,7 +446,7 @@ class Worker:
             )
         if report.left_running:
             self.log.line(f"worker={self._wid} left {report.left_running} jobs of dead workers in cur/: "
-                          "their processes still run and are another user's to kill (recovered once they end)", 0)
+                          "their processes still run and are another user's to kill (recovered by the first recovery after they end)", 0)
         if removed:
             self.log.line(f"worker={self._wid} removed {removed} stale tmp/ files", 1)
 
