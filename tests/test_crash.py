@@ -92,12 +92,14 @@ def test_registrations_of_other_hosts_or_untrusted_owners_kill_nothing(fast_spoo
     with open("/proc/sys/kernel/random/boot_id") as f:
         boot = f.read().strip()
     pidfile = tmp_path / "pid"
+    # A worker id of this test's own: a suite run beside this one must not find its victim.
+    other = f"other.7.{os.getpid():x}"
     # A process that carries a worker id in its environment, as a job would.
     victim = subprocess.Popen(["sh", "-c", f"echo $$ > {pidfile}; exec sleep 300"],
-                              env=dict(os.environ, SPOOLQ_WORKER="other.7.abcdef"), start_new_session=True)
+                              env=dict(os.environ, SPOOLQ_WORKER=other), start_new_session=True)
     try:
         wait_for(lambda: pidfile.exists() and pidfile.read_text().strip(), what="the process to start")
-        for name, host in (("other.7.abcdef", "some-other-host"),):
+        for name, host in ((other, "some-other-host"),):
             reg = {"worker": name, "host": host, "pid": 7, "boot_id": boot, "jobs": {}}
             (s.path / "workers" / f"{name}.json").write_text(json.dumps(reg))
         assert "killed 0 processes" in s.run("sweep").stdout
@@ -106,7 +108,7 @@ def test_registrations_of_other_hosts_or_untrusted_owners_kill_nothing(fast_spoo
             import pwd
 
             nobody = pwd.getpwnam("nobody")
-            reg = {"worker": "other.7.abcdef", "host": os.uname().nodename, "pid": 7, "boot_id": boot, "jobs": {}}
+            reg = {"worker": other, "host": os.uname().nodename, "pid": 7, "boot_id": boot, "jobs": {}}
             path = s.path / "workers" / "forged.json"
             path.write_text(json.dumps(reg))
             os.chown(path, nobody.pw_uid, nobody.pw_gid)
@@ -815,6 +817,7 @@ def test_recovery_leaves_a_job_whose_processes_are_another_users_until_they_end(
     try:
         os.chmod(base, 0o755)
         path = os.path.join(base, "spool")
+        job_id = f"long-{os.getpid()}"  # its own: a suite run beside this one has processes of the same job
         runs = os.path.join(base, "runs")
         probe = subprocess.run(_as(users[0], gid) + SPOOLQ + ["--version"], capture_output=True, text=True)
         if probe.returncode != 0:
@@ -830,25 +833,25 @@ def test_recovery_leaves_a_job_whose_processes_are_another_users_until_they_end(
         subprocess.run(SPOOLQ + ["-s", path, "config", "set", "backoff_initial", "0"], check=True, capture_output=True)
         open(runs, "w").close()
         os.chmod(runs, 0o666)
-        run(users[0], "enqueue", "--id", "long", f'echo run >> {runs}; if [ "$SPOOLQ_ATTEMPT" = 1 ]; then exec sleep 300; fi')
+        run(users[0], "enqueue", "--id", job_id, f'echo run >> {runs}; if [ "$SPOOLQ_ATTEMPT" = 1 ]; then exec sleep 300; fi')
         worker = subprocess.Popen(_as(users[0], gid) + SPOOLQ + ["-s", path, "work"],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             wait_for(lambda: open(runs).read() == "run\n", what="the job to start")
             worker.kill()
             worker.wait()
-            job_pids = _processes_with_env("SPOOLQ_JOB_ID=long")  # (readable: the test runs as root)
+            job_pids = _processes_with_env(f"SPOOLQ_JOB_ID={job_id}")  # (readable: the test runs as root)
             assert len(job_pids) == 1  # the job's process outlived its worker
             out = run(users[1], "sweep").stdout
             assert "recovered 0 to failed/" in out and "left 1 jobs in cur/" in out, out
-            assert os.listdir(os.path.join(path, "cur")) == ["long.json"] and _alive(job_pids[0])
+            assert os.listdir(os.path.join(path, "cur")) == [f"{job_id}.json"] and _alive(job_pids[0])
             os.kill(job_pids[0], signal.SIGKILL)  # its owner's doing
             wait_for(lambda: not _alive(job_pids[0]), what="the job's process to end")
             out = run(users[1], "sweep").stdout
             assert "recovered 1 to failed/" in out and "left" not in out, out
             run(users[1], "work")
             assert open(runs).read() == "run\nrun\n"
-            job = json.loads(subprocess.run(SPOOLQ + ["-s", path, "show", "long", "--json"], capture_output=True,
+            job = json.loads(subprocess.run(SPOOLQ + ["-s", path, "show", job_id, "--json"], capture_output=True,
                                             text=True, check=True).stdout)
             assert job["attempts"] == 2 and job["history"][0]["error"].startswith("interrupted")
         finally:
@@ -856,6 +859,6 @@ def test_recovery_leaves_a_job_whose_processes_are_another_users_until_they_end(
                 worker.kill()
             worker.wait()
     finally:
-        for pid in _processes_with_env("SPOOLQ_JOB_ID=long"):
+        for pid in _processes_with_env(f"SPOOLQ_JOB_ID={job_id}"):
             os.kill(pid, signal.SIGKILL)
         shutil.rmtree(base, ignore_errors=True)
