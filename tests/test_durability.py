@@ -314,6 +314,38 @@ def test_history_still_answers_on_a_full_disk_and_compaction_says_why_it_cannot(
     assert s.where("recent") == [] and s.show("recent")["compacted"]
 
 
+def test_one_process_reads_the_index_read_only_on_a_full_disk_and_writes_again_once_it_is_freed(tiny_fs):
+    """The read-only connection a full disk leaves the index with is for
+    reading only, and not for the life of a long-lived process. One Python
+    process here: status on the full disk, a compaction that says why it
+    cannot, then the same compaction once the disk has room."""
+    s = SpoolFixture(tiny_fs / "spool")
+    s.run("init")
+    s.enqueue("--id", "old", "true")
+    s.work()
+    s.run("compact")
+    s.enqueue("--id", "recent", "true")
+    s.work()
+    filler = tiny_fs / "filler"
+    script = f"""
+import errno, os, sys
+import spoolq
+q = spoolq.Spool({str(s.path)!r})
+print("status", q.status()["done"])
+try:
+    q.compact()
+    print("compacted on a full disk")
+except OSError as e:
+    print("refused", errno.errorcode[e.errno])
+os.unlink({str(filler)!r})
+print("compact", q.compact()["folded"])
+"""
+    _fill(filler)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.split("\n")[:3] == ["status 2", "refused ENOSPC", "compact 1"], proc.stdout + proc.stderr
+    assert s.where("recent") == [] and s.show("recent")["compacted"]
+
+
 def test_state_folders_on_different_filesystems_are_refused(tiny_fs):
     """rename(2) cannot cross filesystems: a spool whose dead/ is another
     mount is refused before any job moves."""
