@@ -82,13 +82,14 @@ def _describe(pid: int) -> tuple[str, int, int] | None:
     return fields[0], int(fields[2]), int(fields[19])
 
 
-def _has_env(pid: int, needle: bytes) -> bool:
+def _has_env(pid: int, *needles: bytes) -> bool:
+    """Whether the process's environment holds every ``NAME=value`` given."""
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
             env = f.read()
     except OSError:
         return False
-    return needle in env.split(b"\0")
+    return set(needles) <= set(env.split(b"\0"))
 
 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -189,7 +190,7 @@ def kill_marked(markers: list[str]) -> int:
     """SIGKILL every process whose environment holds all of ``markers``
     (``NAME=value``): what a killed run left behind outside its process
     group (``setsid``). Returns how many were killed."""
-    needles = {m.encode() for m in markers}
+    needles = [m.encode() for m in markers]
     me = os.getpid()
     killed = 0
     empty = 0
@@ -200,12 +201,7 @@ def kill_marked(markers: list[str]) -> int:
             return killed
         found = []
         for pid in pids:
-            try:
-                with open(f"/proc/{pid}/environ", "rb") as f:
-                    env = set(f.read().split(b"\0"))
-            except OSError:
-                continue
-            desc = _describe(pid) if needles <= env else None
+            desc = _describe(pid) if _has_env(pid, *needles) else None
             if desc is not None and desc[0] not in ("Z", "X"):
                 found.append((pid, desc[2]))
         if not found:

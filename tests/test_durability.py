@@ -285,11 +285,8 @@ def test_a_running_worker_keeps_its_job_when_the_disk_fills(tiny_fs):
     assert s.names("cur") == [] and not [n for n in os.listdir(s.path / "cur") if n.startswith((".spare", ".staged"))]
 
 
-def test_history_still_answers_on_a_full_disk_and_compaction_says_why_it_cannot(tiny_fs):
-    """Audit: with index.db present, status, list, show and stats failed on
-    a full disk ("index.db: disk I/O error": WAL's -shm file could not be
-    made), just when an operator looks; compaction said "cannot rollback -
-    no transaction is active". Reads now fall back to a read-only open."""
+def _one_compacted_and_one_done(tiny_fs: Path) -> SpoolFixture:
+    """A spool on ``tiny_fs`` with job "old" in index.db and "recent" in done/."""
     s = SpoolFixture(tiny_fs / "spool")
     s.run("init")
     s.enqueue("--id", "old", "echo old")
@@ -297,6 +294,15 @@ def test_history_still_answers_on_a_full_disk_and_compaction_says_why_it_cannot(
     s.run("compact")
     s.enqueue("--id", "recent", "echo recent")
     s.work()
+    return s
+
+
+def test_history_still_answers_on_a_full_disk_and_compaction_says_why_it_cannot(tiny_fs):
+    """Audit: with index.db present, status, list, show and stats failed on
+    a full disk ("index.db: disk I/O error": WAL's -shm file could not be
+    made), just when an operator looks; compaction said "cannot rollback -
+    no transaction is active". Reads now fall back to a read-only open."""
+    s = _one_compacted_and_one_done(tiny_fs)
     assert not os.path.exists(s.path / "index.db-shm")  # removed when the last connection closed
     _fill(tiny_fs / "filler")
     status = s.run("status", "--json", check=False)
@@ -319,13 +325,7 @@ def test_one_process_reads_the_index_read_only_on_a_full_disk_and_writes_again_o
     reading only, and not for the life of a long-lived process. One Python
     process here: status on the full disk, a compaction that says why it
     cannot, then the same compaction once the disk has room."""
-    s = SpoolFixture(tiny_fs / "spool")
-    s.run("init")
-    s.enqueue("--id", "old", "true")
-    s.work()
-    s.run("compact")
-    s.enqueue("--id", "recent", "true")
-    s.work()
+    s = _one_compacted_and_one_done(tiny_fs)
     filler = tiny_fs / "filler"
     script = f"""
 import errno, os, sys
