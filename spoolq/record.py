@@ -110,7 +110,9 @@ def parse_time(value: Any) -> float:
             ts = datetime.fromisoformat(text).timestamp()
         except (ValueError, OverflowError):
             raise ValueError(f"{value!r} is not a valid time") from None
-        return parse_time(ts)
+        if not 0 <= ts <= MAX_EPOCH:  # named as written, not as the epoch seconds it became
+            raise ValueError(f"{value[:40]!r} is outside 1970-01-01T00:00:00Z to 2200-01-01T00:00:00Z")
+        return ts
     raise ValueError(f"a time must be RFC 3339 or epoch seconds, not {type(value).__name__}")
 
 

@@ -144,6 +144,7 @@ def test_usage_errors_exit_2_with_one_line(spool):
         ["enqueue", "--max-attempts", "0", "true"],
         ["enqueue", "--in", "soon", "true"],
         ["enqueue", "--at", "yesterday", "true"],
+        ["enqueue", "--at", "9999-12-31T23:59:59Z", "true"],
         ["enqueue", "--in", "5m", "--at", "2030-01-01T00:00:00Z", "true"],
         ["enqueue", "--env", "NOEQUALS", "true"],
         ["enqueue", "--id", "../x", "true"],

@@ -30,6 +30,9 @@ BAD_FILES = {
     "env-list": (b'{"command": "true", "env": ["A=1"]}', "env must be an object"),
     "run-at-words": (b'{"command": "true", "run_at": "yesterday"}', "run_at"),
     "run-at-naive": (b'{"command": "true", "run_at": "2026-01-01T00:00:00"}', "run_at"),
+    # Named as written: it said "253402300799.0 is not a valid epoch time".
+    "run-at-far": (b'{"command": "true", "run_at": "9999-12-31T23:59:59Z"}',
+                   "run_at: '9999-12-31T23:59:59Z' is outside 1970-01-01T00:00:00Z to 2200-01-01T00:00:00Z"),
     "id-dotdot": (b'{"command": "true", "id": "../x"}', "'../x' contains '/'"),
     "id-slash": (b'{"command": "true", "id": "a/b"}', "contains '/'"),
     "id-hidden": (b'{"command": "true", "id": ".hidden"}', "starts with a dot"),
