@@ -100,3 +100,9 @@ def test_the_bench_scripts_run_and_report(tmp_path, script, args):
         assert os.listdir(tmp_path / "scratch" / "lean-0" / "new") == []
         assert os.listdir(tmp_path / "scratch" / "worker-0" / "new") == []
         assert len(os.listdir(tmp_path / "scratch" / "lean-0" / "done")) == 300
+        # ...and so did the SQLite-table queue beside them.
+        import sqlite3
+
+        db = sqlite3.connect(tmp_path / "scratch" / "sqlite-0.db")
+        assert db.execute("SELECT status, count(*) FROM jobs GROUP BY status").fetchall() == [("done", 300)]
+        assert "SQLite-table queue (NORMAL)" in proc.stdout

@@ -9,7 +9,9 @@ must: open, flock, fstat, read, parse and check the record, stat the name,
 rename into cur/, call the handler, write the record back with its history,
 rename into done/, close. It skips everything spoolq adds around that
 (registration, look-ahead, group commit, error handling, logging). The other
-spool is drained by spoolq's own worker. Prints both costs per job.
+spool is drained by spoolq's own worker, and a third queue, the SQLite-table
+queue of `spoolq bench --compare sqlite` (synchronous NORMAL), is filled
+with N rows and drained by its own loop. Prints the three costs per job.
 Removes nothing; delete SCRATCH_DIR afterwards.
 """
 
@@ -19,6 +21,7 @@ import sys
 import time
 
 from spoolq import Spool, record
+from spoolq.bench import sqlite_create, sqlite_drain
 from spoolq.protocol import rename_noreplace
 
 
@@ -63,6 +66,20 @@ def lean_drain(path: str) -> tuple[int, float]:
     return len(names), seconds
 
 
+def sqlite_normal(path: str, n: int) -> float:
+    db = sqlite_create(path, "NORMAL")
+    now = time.time()
+    db.execute("BEGIN")
+    db.executemany("INSERT INTO jobs (kind, payload, run_at, created_at) VALUES (?, ?, ?, ?)", [("noop", "{}", now, now)] * n)
+    db.execute("COMMIT")
+    start = time.perf_counter()
+    ran = sqlite_drain(db)
+    seconds = time.perf_counter() - start
+    db.close()
+    assert ran == n, (ran, n)
+    return seconds
+
+
 def main() -> None:
     root = sys.argv[1]
     n = int(sys.argv[2]) if len(sys.argv) > 2 else 10000
@@ -76,7 +93,9 @@ def main() -> None:
         start = time.perf_counter()
         worked = spool.work(handlers={"noop": lambda payload: None}, signals=False)
         drain = time.perf_counter() - start
-        print(f"round {r + 1}: lean loop {lean / ran * 1e6:.1f} us/job, spoolq worker {drain / worked * 1e6:.1f} us/job")
+        sqlite = sqlite_normal(os.path.join(root, f"sqlite-{r}.db"), n)
+        print(f"round {r + 1}: lean loop {lean / ran * 1e6:.1f} us/job, spoolq worker {drain / worked * 1e6:.1f} us/job, "
+              f"SQLite-table queue (NORMAL) {sqlite / n * 1e6:.1f} us/job")
 
 
 if __name__ == "__main__":
