@@ -4,6 +4,7 @@ has, and the commands CI runs are the ones the README shows."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -100,12 +101,36 @@ def test_readme_shows_one_install_and_first_job_command():
     assert "spoolq enqueue" in command and "spoolq work" in command and "spoolq show" in command
 
 
-def test_readme_drop_recipe_checks_each_step():
-    text = README.read_text()
-    section = text.split("## Drop a job from any shell", 1)[1]
-    recipe = re.search(r"```sh\n(.*?)```", section, re.S).group(1)
-    assert re.search(r'> "\$SPOOL/tmp/[^"]*" &&', recipe), "the write into tmp/ must be checked with &&"
-    assert 'mv "$SPOOL/tmp/' in recipe and "umask 007" in recipe
+def _drop_recipe() -> str:
+    section = README.read_text().split("## Drop a job from any shell", 1)[1]
+    return re.search(r"```sh\n(.*?)```", section, re.S).group(1)
+
+
+def test_readme_drop_recipe_publishes_a_group_readable_job(tmp_path):
+    spool = tmp_path / "spool"
+    for folder in ("tmp", "new"):
+        (spool / folder).mkdir(parents=True)
+    result = subprocess.run(["sh", "-c", "umask 077\n" + _drop_recipe()], env={"SPOOLQ_DIR": str(spool), "PATH": "/usr/bin:/bin"},
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    [job] = list((spool / "new").iterdir())
+    assert job.name.endswith(".json") and json.loads(job.read_text())["command"]
+    assert job.stat().st_mode & 0o040, "the dropped file must be readable by the spool's group"
+    assert list((spool / "tmp").iterdir()) == []
+
+
+def test_readme_drop_recipe_publishes_nothing_when_the_write_fails(tmp_path):
+    # A file-size limit of 0 stands for a full disk: the file is created but
+    # the write fails. Nothing may reach new/, and the recipe must fail.
+    spool = tmp_path / "spool"
+    for folder in ("tmp", "new"):
+        (spool / folder).mkdir(parents=True)
+    script = "trap '' XFSZ\nulimit -f 0\n" + _drop_recipe()
+    result = subprocess.run(["sh", "-c", script], env={"SPOOLQ_DIR": str(spool), "PATH": "/usr/bin:/bin"},
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode != 0
+    assert list((spool / "new").iterdir()) == []
+    assert list((spool / "tmp").iterdir()) == []
 
 
 def test_docs_links_resolve():
