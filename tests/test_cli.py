@@ -295,6 +295,33 @@ def test_config_list_get_set(spool):
         assert proc.returncode == 2 and key in proc.stderr
 
 
+def test_duration_settings_take_the_duration_syntax_of_the_options(fast_spool):
+    """Settings in seconds accept what --timeout and --in accept (5m, 1h30m),
+    from `config set` and from a config.json written by hand; config.json
+    and `config get` hold plain seconds."""
+    s = fast_spool
+    for key, value, seconds in [("timeout", "5m", 300), ("timeout_grace", "1.5s", 1.5), ("backoff_initial", "1m30s", 90),
+                                ("backoff_max", "2h", 7200), ("rescan_interval", "10 min", 600)]:
+        proc = s.run("config", "set", key, value)
+        assert proc.stdout == f"{key} = {json.dumps(seconds)}\n"
+        assert s.run("config", "get", key).stdout.strip() == json.dumps(seconds)
+        assert json.loads((s.path / "config.json").read_text())[key] == seconds
+    proc = s.run("config", "set", "timeout", "5 parsecs", check=False)
+    assert proc.returncode == 2
+    assert proc.stderr == "spoolq: timeout must be a duration (like 90, 5m, 1h30m, 7d), not '5 parsecs'\n"
+    proc = s.run("config", "set", "timeout", "3651d", check=False)
+    assert proc.returncode == 2 and "(given as '3651d')" in proc.stderr and proc.stderr.count("\n") == 1
+    # Written by hand: the same syntax, and it takes effect.
+    stored = json.loads((s.path / "config.json").read_text())
+    (s.path / "config.json").write_text(json.dumps(dict(stored, timeout="1s", timeout_grace="1s")))
+    assert s.run("config", "get", "timeout").stdout.strip() == "1"
+    job = s.enqueue("--max-attempts", "1", "sleep 60")
+    began = time.monotonic()
+    s.work()
+    assert time.monotonic() - began < 30
+    assert s.where(job) == ["dead"] and "timed out" in s.show(job)["error"]
+
+
 def test_a_broken_config_file_is_a_clear_error(spool):
     (spool.path / "config.json").write_text("{not json")
     proc = spool.run("work", check=False)
