@@ -500,11 +500,19 @@ def sweep(ctx):
 
 
 @cli.command()
-@click.option("--keep", callback=_duration, metavar="DURATION", help="Drop history older than this (e.g. 30d).")
+@click.option("--keep", callback=lambda ctx, param, value: (value, _duration(ctx, param, value)), metavar="DURATION",
+              help="Drop history older than this (e.g. 30d).")
+@click.option("--yes", is_flag=True, help="Confirm --keep 0 (drop the history of every finished job).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_context
-def compact(ctx, keep, as_json):
+def compact(ctx, keep, yes, as_json):
     """Fold done/ into index.db and remove the files; drop old history."""
+    given, keep = keep  # as written, and in seconds
+    if keep == 0 and not yes:
+        # Nothing is older than zero seconds ago: every finished job's record
+        # goes, the ones this very compaction folds included.
+        fail(f"--keep {given} would drop the history of every finished job, including the ones this compaction "
+             "folds; add --yes to do that", 2)
     result = _existing(ctx).compact(keep=keep)
     if as_json:
         echo(json.dumps(result))

@@ -255,7 +255,9 @@ class Spool:
     def compact(self, keep: float | None = None) -> dict[str, int]:
         """Fold done/ into index.db (each file removed once its row is
         committed), drop history older than ``keep`` seconds, and remove
-        tmp/ files older than 36 hours."""
+        tmp/ files older than 36 hours. ``keep=0`` drops every finished
+        job's row, the ones just folded included (the command asks for
+        ``--yes`` before it does that)."""
         from .index import compact
 
         self._open(create=True)
