@@ -436,7 +436,9 @@ def _retry(ctx, job_ids, all_):
 
     if all_ == bool(job_ids):
         fail("give job ids or --all", 2)
-    output.refuse_bad_ids(job_ids)
+    spool = _spool(ctx)
+    # A name that is no valid id is refused, unless `list` shows a file so named.
+    output.refuse_bad_ids(j for j in job_ids if not (spool.dir.exists() and spool.get(j) is not None))
     spool = _existing(ctx)
     problems = 0
     if all_:

@@ -119,9 +119,9 @@ def refuse_bad_ids(job_ids) -> None:
 def show(spool, job_id: str, as_json: bool) -> None:
     """``spoolq show``: one job's record, wherever it is, or exit 1."""
     require_spool(spool)
-    refuse_bad_ids((job_id,))
-    job = spool.get(job_id)
+    job = spool.get(job_id)  # also a file `list` shows under a name that is no valid id
     if job is None:
+        refuse_bad_ids((job_id,))
         fail(f"no job {job_id} in this spool", 1)
     if as_json:
         echo(dumps(job, indent=2))

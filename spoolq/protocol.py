@@ -158,6 +158,15 @@ def id_problem(job_id: object) -> str | None:
     return None
 
 
+def listed_names(job_id: object) -> tuple[str, ...]:
+    """The names a file that listings show as ``job_id`` may have, when that
+    is no valid id (no '/', no NUL, no dot-file, no longer than a name can
+    be): such a file is looked up by that name, only in the state folders."""
+    if not isinstance(job_id, str) or not job_id or "/" in job_id or "\x00" in job_id or job_id.startswith("."):
+        return ()
+    return tuple(n for n in (file_name(job_id), job_id) if len(os.fsencode(n)) <= 255)
+
+
 def _names(dir_fd: int, name: str, st: os.stat_result) -> bool:
     """Whether ``name`` in the folder still names the file ``st`` is of
     (not gone, not replaced by another file since it was opened)."""

@@ -237,8 +237,9 @@ def test_odd_names_cannot_break_line_output(fast_spool):
     assert s.names("dead") == ["a\nb.json"]
     lines = s.run("list").stdout.splitlines()
     assert len(lines) == 1 and "a\\nb" in lines[0]
-    retried = s.run("retry", "--all").stdout.splitlines()
-    assert retried == ["a\\nb"]
+    proc = s.run("retry", "--all", check=False)  # refused (no valid id), said on one line
+    assert proc.returncode == 1 and proc.stdout == "" and len(proc.stderr.splitlines()) == 1
+    assert proc.stderr.startswith("spoolq: cannot retry 'a\\nb': ")
 
 
 def test_retry_of_an_entry_in_dead_that_is_not_a_file_says_so(fast_spool):
@@ -249,6 +250,51 @@ def test_retry_of_an_entry_in_dead_that_is_not_a_file_says_so(fast_spool):
     proc = s.run("retry", "dirjob", check=False)
     assert proc.returncode == 1
     assert proc.stderr == "spoolq: dead/dirjob is not a regular file, so not a job to retry; move or remove it by hand\n"
+
+
+def test_retry_of_an_invalid_dead_file_says_why_and_how_to_fix_it(fast_spool):
+    """A dead file that can never run is not moved back to new/ (it would
+    only die again): retry says why and what to do, exit 1, and --all goes
+    on with the others. A file under a name that is no valid id is shown by
+    the name `list` prints, and retry says how to give it a valid one."""
+    s = fast_spool
+    s.drop("broken.json", '{"command": ')
+    s.drop("badfield.json", '{"command": "true", "max_attempts": 0}')
+    s.drop("bad name.json", '{"command": "echo renamed"}')
+    good = s.enqueue("--max-attempts", "1", "false")
+    s.work()
+    assert sorted(s.ids("dead")) == sorted(["broken", "badfield", "bad name", good])
+    dead = s.path / "dead"
+    before = {n: (dead / n).read_bytes() for n in os.listdir(dead)}
+    proc = s.run("retry", "broken", check=False)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr == (f"spoolq: cannot retry broken: not valid JSON: Expecting value at line 1 column 13; "
+                           f"fix the file ({dead / 'broken.json'}) or remove it\n")
+    listed = [line.split()[1:3] for line in s.run("list", "--state", "dead").stdout.splitlines()]
+    assert ["bad", "name"] in listed
+    shown = s.show("bad name")
+    assert shown["state"] == "dead" and "bad file name" in shown["error"]
+    assert s.run("show", "bad name").stdout.startswith("command: echo renamed")
+    rename = (f"spoolq: cannot retry 'bad name': id 'bad name' is not 1-128 characters of A-Z a-z 0-9 . _ -; "
+              f"give it a valid id, e.g. mv '{dead / 'bad name.json'}' {dead / 'bad_name.json'}, then retry bad_name\n")
+    proc = s.run("retry", "bad name", check=False)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (1, "", rename)
+    proc = s.run("retry", "--all", check=False)
+    assert proc.returncode == 1 and proc.stdout == f"{good}\n"
+    assert proc.stderr.splitlines() == [
+        rename.rstrip("\n"),
+        f"spoolq: cannot retry badfield: max_attempts must be an integer >= 1, not 0; fix the file ({dead / 'badfield.json'}) or remove it",
+        f"spoolq: cannot retry broken: not valid JSON: Expecting value at line 1 column 13; fix the file ({dead / 'broken.json'}) or remove it",
+    ]
+    assert {n: (dead / n).read_bytes() for n in os.listdir(dead)} == {n: b for n, b in before.items() if n != f"{good}.json"}
+    # As told: renamed, retried, run.
+    os.rename(dead / "bad name.json", dead / "bad_name.json")
+    assert s.run("retry", "bad_name").stdout == "bad_name\n"
+    s.work()
+    assert s.show("bad_name")["stdout"] == "renamed\n"
+    # A name that no file has is still invalid input.
+    proc = s.run("retry", "no such", check=False)
+    assert proc.returncode == 2 and proc.stderr == "spoolq: id 'no such' is not 1-128 characters of A-Z a-z 0-9 . _ -\n"
 
 
 def test_status_list_and_show(fast_spool):
