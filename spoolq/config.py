@@ -117,7 +117,7 @@ def _bool(key: str, value: Any) -> bool:
     raise ConfigError(f"{key} must be true or false, not {value!r}")
 
 
-def _users(key: str, value: Any) -> list[str]:
+def _users(key: str, value: Any, stored: bool = False) -> list[str]:
     if isinstance(value, str):
         text = value.strip()
         if text.startswith("["):
@@ -129,7 +129,20 @@ def _users(key: str, value: Any) -> list[str]:
             value = [u.strip() for u in text.split(",") if u.strip()]
     if not isinstance(value, list) or not all(isinstance(u, (str, int)) and not isinstance(u, bool) for u in value):
         raise ConfigError(f"{key} must be a list of user names or uids")
-    return [str(u) for u in value]
+    users = [str(u) for u in value]
+    if not stored:
+        # A misspelt name would trust nobody, silently. A numeric uid is taken
+        # as it is: it need not have a name here (a container, NFS).
+        import pwd
+
+        for user in users:
+            if user.isdigit():
+                continue
+            try:
+                pwd.getpwnam(user)
+            except KeyError:
+                raise ConfigError(f"{key}: no user {user!r} on this system (give a user name or a numeric uid)") from None
+    return users
 
 
 def check(key: str, value: Any, stored: bool = False) -> Any:
@@ -154,7 +167,7 @@ def check(key: str, value: Any, stored: bool = False) -> Any:
     if key == "fsync":
         return _bool(key, value)
     if key == "trusted_users":
-        return _users(key, value)
+        return _users(key, value, stored)
     raise AssertionError(key)
 
 

@@ -368,6 +368,19 @@ def test_duration_settings_take_the_duration_syntax_of_the_options(fast_spool):
     assert s.where(job) == ["dead"] and "timed out" in s.show(job)["error"]
 
 
+def test_trusted_users_must_exist_here_or_be_numeric_uids(spool):
+    """A misspelt user name would trust nobody without a word: refused.
+    A numeric uid need not have a name on this system."""
+    proc = spool.run("config", "set", "trusted_users", "nobody,no-such-user", check=False)
+    assert proc.returncode == 2
+    assert proc.stderr == "spoolq: trusted_users: no user 'no-such-user' on this system (give a user name or a numeric uid)\n"
+    assert not (spool.path / "config.json").exists() or "trusted_users" not in json.loads((spool.path / "config.json").read_text())
+    assert spool.run("config", "set", "trusted_users", "nobody,64999").stdout == 'trusted_users = ["nobody", "64999"]\n'
+    # One written by hand that no longer resolves does not stop the spool.
+    (spool.path / "config.json").write_text('{"trusted_users": ["gone-user"]}')
+    assert spool.status()["new"] == 0
+
+
 def test_a_broken_config_file_is_a_clear_error(spool):
     (spool.path / "config.json").write_text("{not json")
     proc = spool.run("work", check=False)
