@@ -116,6 +116,18 @@ def test_enqueue_delay_sets_the_due_time(spool):
     assert spool.record("new", b)["run_at"] == "2030-01-02T03:04:05.000000Z"
 
 
+def test_a_delay_or_timeout_out_of_range_is_named_as_given(spool):
+    """Not as the epoch seconds or the number of seconds it became."""
+    for args, message in [
+        (["--in", "99999999999"], "--in 99999999999 is too far ahead: a job can be due at the latest at 2200-01-01T00:00:00Z"),
+        (["--in", "70000d"], "--in 70000d is too far ahead: a job can be due at the latest at 2200-01-01T00:00:00Z"),
+        (["--timeout", "3651d"], "--timeout 3651d is too long: a timeout is at most 315360000 seconds (3650d)"),
+    ]:
+        proc = spool.run("enqueue", *args, "true", check=False)
+        assert (proc.returncode, proc.stderr) == (2, f"spoolq: {message}\n"), args
+    assert spool.ids("new") == []
+
+
 def test_generated_ids_are_unique_and_sort_in_creation_order(spool):
     ids = spool.run("enqueue", "--jsonl", "-", input='{"command": "true"}\n' * 300).stdout.split()
     ids += [spool.enqueue("true") for _ in range(3)]
