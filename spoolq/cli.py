@@ -38,10 +38,16 @@ class Seconds(click.FloatRange):
 def _duration(ctx, param, value):
     if value is None:
         return None
+    ctx.meta.setdefault("spoolq.given", {})[param.name] = value  # for messages: what the user wrote
     try:
         return record.parse_duration(value)
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
+
+
+def _given(ctx, name: str) -> str:
+    """A duration option as the user wrote it (``--in 400d``, not seconds)."""
+    return ctx.meta.get("spoolq.given", {}).get(name, "")
 
 
 def _spool_dir(ctx, param, value):
@@ -178,9 +184,15 @@ def enqueue(ctx, args, use_argv, kind, payload, job_json, jsonl, job_id, max_att
     if max_attempts is not None:
         options["max_attempts"] = max_attempts
     if timeout is not None:
+        if timeout > record.MAX_TIMEOUT:
+            fail(f"--timeout {_given(ctx, 'timeout')} is too long: a timeout is at most {record.MAX_TIMEOUT} "
+                 "seconds (3650d)", 2)
         options["timeout"] = timeout
     if delay is not None:
         options["run_at"] = time.time() + delay
+        if options["run_at"] > record.MAX_EPOCH:
+            fail(f"--in {_given(ctx, 'delay')} is too far ahead: a job can be due at the latest at "
+                 f"{record.rfc3339(record.MAX_EPOCH)[:19]}Z", 2)
     if at is not None:
         try:
             options["run_at"] = record.parse_time(at)
@@ -436,7 +448,9 @@ def _retry(ctx, job_ids, all_):
 
     if all_ == bool(job_ids):
         fail("give job ids or --all", 2)
-    output.refuse_bad_ids(job_ids)
+    spool = _spool(ctx)
+    # A name that is no valid id is refused, unless `list` shows a file so named.
+    output.refuse_bad_ids(j for j in job_ids if not (spool.dir.exists() and spool.get(j) is not None))
     spool = _existing(ctx)
     problems = 0
     if all_:
@@ -501,10 +515,16 @@ def sweep(ctx):
 
 @cli.command()
 @click.option("--keep", callback=_duration, metavar="DURATION", help="Drop history older than this (e.g. 30d).")
+@click.option("--yes", is_flag=True, help="Confirm --keep 0 (drop the history of every finished job).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_context
-def compact(ctx, keep, as_json):
+def compact(ctx, keep, yes, as_json):
     """Fold done/ into index.db and remove the files; drop old history."""
+    if keep == 0 and not yes:
+        # Nothing is older than zero seconds ago: every finished job's record
+        # goes, the ones this very compaction folds included.
+        fail(f"--keep {_given(ctx, 'keep')} would drop the history of every finished job, including the ones this compaction "
+             "folds; add --yes to do that", 2)
     result = _existing(ctx).compact(keep=keep)
     if as_json:
         echo(json.dumps(result))

@@ -1,6 +1,9 @@
 """Spool settings: ``config.json`` at the spool root, with defaults.
 
 A job's own field (``max_attempts``, ``timeout``) beats the spool setting.
+Settings in seconds take the duration syntax of the options (``5m``,
+``1h30m``) in ``config set`` and in a hand-written config.json alike; ``config
+set`` stores them as seconds.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ import math
 import os
 from typing import Any
 
-from .record import MAX_TIMEOUT
+from .record import MAX_TIMEOUT, parse_duration
 
 DEFAULTS: dict[str, Any] = {
     "max_attempts": 5,
@@ -59,6 +62,32 @@ def _number(key: str, value: Any, minimum: float, integer: bool = False, above: 
             value = json.loads(value)
         except ValueError:
             raise ConfigError(f"{key} must be a number, not {value!r}") from None
+    return _checked_number(key, value, minimum, integer, above, maximum, clamp)
+
+
+def _seconds(key: str, value: Any, above: bool = False, clamp: bool = False) -> int | float:
+    """A duration setting: a number of seconds, or the duration syntax of
+    the command line's options (``5m``, ``1h30m``), stored as seconds."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            given = value
+            try:
+                value = parse_duration(value)
+            except ValueError:
+                raise ConfigError(f"{key} must be a duration (like 90, 5m, 1h30m, 7d), not {value!r}") from None
+            if value.is_integer():
+                value = int(value)  # stored as 300, as `config set timeout 300` stores it
+            try:
+                return _checked_number(key, value, 0, above=above, maximum=MAX_SECONDS, clamp=clamp)
+            except ConfigError as e:
+                raise ConfigError(f"{e} (given as {given!r})") from None
+    return _checked_number(key, value, 0, above=above, maximum=MAX_SECONDS, clamp=clamp)
+
+
+def _checked_number(key: str, value: Any, minimum: float, integer: bool = False, above: bool = False,
+                    maximum: float | None = None, clamp: bool = False) -> int | float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ConfigError(f"{key} must be a number, not {value!r}")
     if integer:
@@ -88,7 +117,7 @@ def _bool(key: str, value: Any) -> bool:
     raise ConfigError(f"{key} must be true or false, not {value!r}")
 
 
-def _users(key: str, value: Any) -> list[str]:
+def _users(key: str, value: Any, stored: bool = False) -> list[str]:
     if isinstance(value, str):
         text = value.strip()
         if text.startswith("["):
@@ -100,7 +129,20 @@ def _users(key: str, value: Any) -> list[str]:
             value = [u.strip() for u in text.split(",") if u.strip()]
     if not isinstance(value, list) or not all(isinstance(u, (str, int)) and not isinstance(u, bool) for u in value):
         raise ConfigError(f"{key} must be a list of user names or uids")
-    return [str(u) for u in value]
+    users = [str(u) for u in value]
+    if not stored:
+        # A misspelt name would trust nobody, silently. A numeric uid is taken
+        # as it is: it need not have a name here (a container, NFS).
+        import pwd
+
+        for user in users:
+            if user.isdigit():
+                continue
+            try:
+                pwd.getpwnam(user)
+            except KeyError:
+                raise ConfigError(f"{key}: no user {user!r} on this system (give a user name or a numeric uid)") from None
+    return users
 
 
 def check(key: str, value: Any, stored: bool = False) -> Any:
@@ -119,13 +161,13 @@ def check(key: str, value: Any, stored: bool = False) -> Any:
     if key == "backoff_factor":
         return _number(key, value, 1)
     if key == "rescan_interval":
-        return _number(key, value, 0, above=True, maximum=MAX_SECONDS, clamp=stored)
+        return _seconds(key, value, above=True, clamp=stored)
     if key in ("backoff_initial", "backoff_max", "timeout", "timeout_grace"):
-        return _number(key, value, 0, maximum=MAX_SECONDS, clamp=stored)
+        return _seconds(key, value, clamp=stored)
     if key == "fsync":
         return _bool(key, value)
     if key == "trusted_users":
-        return _users(key, value)
+        return _users(key, value, stored)
     raise AssertionError(key)
 
 

@@ -76,6 +76,9 @@ def fail_for(error: BaseException) -> NoReturn:
         os.dup2(devnull, sys.stdout.fileno())
         sys.exit(141)
     if isinstance(error, PermissionError):
+        blocked = _blocked_by(error.filename) if isinstance(error.filename, str) else None
+        if blocked:
+            fail(f"permission denied: {blocked} (so {error.filename} cannot be reached)", 1)
         fail(f"permission denied: {error.filename or error}", 1)
     if isinstance(error, OSError):
         where = f": {error.filename}" if error.filename else ""
@@ -92,6 +95,19 @@ def fail_for(error: BaseException) -> NoReturn:
     fail(f"internal error: {type(error).__name__}: {error} (SPOOLQ_DEBUG=1 shows the traceback)", 1)
 
 
+def _blocked_by(path: str) -> str | None:
+    """The folder above ``path`` that this user may not enter, if one is:
+    the one whose permissions to change, not ``path`` itself."""
+    parent = os.path.dirname(os.path.abspath(path))
+    folders = [parent]
+    while os.path.dirname(folders[-1]) != folders[-1]:
+        folders.append(os.path.dirname(folders[-1]))
+    for folder in reversed(folders):
+        if os.path.isdir(folder) and not os.access(folder, os.X_OK):
+            return folder
+    return None
+
+
 def require_spool(spool) -> None:
     """Exit 1 with a hint when the spool directory does not exist."""
     from .protocol import refuse_non_directory
@@ -103,6 +119,9 @@ def require_spool(spool) -> None:
         fail(f"permission denied: {spool.path} (a shared spool: is this user in its group?)", 1)
     if os.path.isdir(spool.path):
         fail(f"{spool.path} is not a spool (no new/ folder); run 'spoolq init'", 1)
+    blocked = _blocked_by(spool.path)
+    if blocked:
+        fail(f"permission denied: {blocked} (so the spool {spool.path} cannot be reached)", 1)
     fail(f"no spool at {spool.path} (create it with 'spoolq init' or enqueue a job)", 1)
 
 
@@ -119,9 +138,9 @@ def refuse_bad_ids(job_ids) -> None:
 def show(spool, job_id: str, as_json: bool) -> None:
     """``spoolq show``: one job's record, wherever it is, or exit 1."""
     require_spool(spool)
-    refuse_bad_ids((job_id,))
-    job = spool.get(job_id)
+    job = spool.get(job_id)  # also a file `list` shows under a name that is no valid id
     if job is None:
+        refuse_bad_ids((job_id,))
         fail(f"no job {job_id} in this spool", 1)
     if as_json:
         echo(dumps(job, indent=2))

@@ -158,6 +158,15 @@ def id_problem(job_id: object) -> str | None:
     return None
 
 
+def listed_names(job_id: object) -> tuple[str, ...]:
+    """The names a file that listings show as ``job_id`` may have, when that
+    is no valid id (no '/', no NUL, no dot-file, no longer than a name can
+    be): such a file is looked up by that name, only in the state folders."""
+    if not isinstance(job_id, str) or not job_id or "/" in job_id or "\x00" in job_id or job_id.startswith("."):
+        return ()
+    return tuple(n for n in (file_name(job_id), job_id) if len(os.fsencode(n)) <= 255)
+
+
 def _names(dir_fd: int, name: str, st: os.stat_result) -> bool:
     """Whether ``name`` in the folder still names the file ``st`` is of
     (not gone, not replaced by another file since it was opened)."""
@@ -610,7 +619,9 @@ class SpoolDir:
         try:
             fd = _open_held(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, self.file_mode, dir_fd=tmp_dir)
         except OSError as e:
-            e.filename = self.path("tmp", tmp)  # not a bare name: say where (a full disk, a read-only one)
+            # Not a bare name: say where (a full disk, a read-only one); a
+            # refusal is the folder's, which is what the user can change.
+            e.filename = self.path("tmp") if isinstance(e, PermissionError) else self.path("tmp", tmp)
             raise
         try:
             if self.shared:
@@ -639,8 +650,9 @@ class SpoolDir:
             finally:
                 _close_held(fd)
             rename_noreplace(tmp_dir, tmp, self.fd("new"), name)
-        except BaseException:
+        except BaseException as e:
             _unlink_quietly(tmp_dir, tmp)
+            self._denied_in(e, "new", "tmp")
             raise
         self.sync_dir("new")
 
@@ -667,6 +679,7 @@ class SpoolDir:
                 rename_noreplace(tmp_dir, tmp, new_dir, name)
                 published.append(name)
         except BaseException as e:
+            self._denied_in(e, "new", "tmp")
             done = set(published)
             for tmp, name in written:
                 if name not in done:
@@ -949,6 +962,15 @@ class SpoolDir:
         finally:
             _close_held(fd)
 
+    def _denied_in(self, error: BaseException, *folders: str) -> None:
+        """A permission error from a move or a create, whose file name is a
+        bare or temporary one, said of the folder that refuses it (the first
+        of ``folders`` this user cannot write, "" for the spool root)."""
+        if not isinstance(error, PermissionError):
+            return
+        paths = [self.path(f) if f else self.root for f in folders]
+        error.filename = next((p for p in paths if not os.access(p, os.W_OK | os.X_OK)), paths[0])
+
     def replace_file(self, folder: str | None, name: str, data: bytes, mode: int | None = None) -> None:
         """Atomically replace a small file (tmp + fsync + rename), with
         ``mode`` whatever the umask; on an error the tmp file is removed."""
@@ -969,6 +991,9 @@ class SpoolDir:
                 _unlink_quietly(dir_fd, tmp)
                 raise
             os.fsync(dir_fd)
+        except PermissionError as e:
+            self._denied_in(e, folder or "")
+            raise
         finally:
             if not folder:
                 os.close(dir_fd)

@@ -255,7 +255,9 @@ class Spool:
     def compact(self, keep: float | None = None) -> dict[str, int]:
         """Fold done/ into index.db (each file removed once its row is
         committed), drop history older than ``keep`` seconds, and remove
-        tmp/ files older than 36 hours."""
+        tmp/ files older than 36 hours. ``keep=0`` drops every finished
+        job's row, the ones just folded included (the command asks for
+        ``--yes`` before it does that)."""
         from .index import compact
 
         self._open(create=True)
@@ -325,10 +327,14 @@ class Spool:
         (``new``, ``cur``, ``failed``, ``dead``, ``done``), compacted jobs
         included; None if there is no such job."""
         self._open()
-        if id_problem(job_id):
+        from .protocol import listed_names
+
+        named = bool(id_problem(job_id))  # a file listed under a name that is no valid id
+        names = listed_names(job_id) if named else (file_name(job_id), job_id)
+        if not names:
             return None
         for _ in range(3):  # the file may move between looking and reading
-            where = self.dir.find((file_name(job_id), job_id))
+            where = self.dir.find(names)
             if where is None:
                 break
             state, name = where
@@ -343,7 +349,7 @@ class Spool:
                     if job_id in (w.get("jobs") or {}):
                         job["worker"] = w.get("worker")
             return job
-        index = self.index()
+        index = self.index() if not named else None
         if index is not None:
             return index.get(job_id)
         return None

@@ -30,6 +30,7 @@ from .protocol import (
     id_of,
     id_problem,
     kind_of,
+    listed_names,
     staged_intact,
 )
 from .record import InvalidJob, rfc3339
@@ -570,6 +571,13 @@ def retry(ctx: Context, job_id: str, on_note: Callable[[str], None] | None = Non
     """A dead job back to new/, due now, with a fresh round of attempts
     (its history is kept). Raises JobNotFound or NotPossible. ``on_note``
     as for ``cancel``."""
+    if id_problem(job_id) and listed_names(job_id):
+        # A file `list` shows under a name that is no valid id: say how to name it.
+        where = ctx.spool.find(listed_names(job_id))
+        if where is not None and where[0] == "dead":
+            raise NotPossible(_rename_hint(ctx, where[1]))
+        if where is not None:
+            raise NotPossible(f"{job_id!r} is in {where[0]}/, not dead/")
     try:
         held = _find_held(ctx, job_id, ("dead",))
     except Busy:
@@ -593,12 +601,36 @@ def retry(ctx: Context, job_id: str, on_note: Callable[[str], None] | None = Non
         held.release()
 
 
+def _rename_hint(ctx: Context, name: str) -> str:
+    """Why a dead file under a name that is no valid id cannot be retried,
+    and the command that gives it a free, valid one."""
+    import re
+    import shlex
+
+    job_id = id_of(name)
+    base = re.sub(r"\.{2,}", ".", re.sub(r"[^A-Za-z0-9._-]+", "_", job_id)).lstrip(".")[:120] or "job"
+    fresh, n = base, 1
+    while ctx.spool.find((file_name(fresh), fresh)) or ctx.index_has(fresh):
+        n += 1
+        fresh = f"{base}-{n}"
+    folder = os.path.join(ctx.spool.root, "dead")
+    return (f"cannot retry {job_id!r}: {id_problem(job_id)}; give it a valid id, e.g. "
+            f"mv {shlex.quote(os.path.join(folder, name))} {shlex.quote(os.path.join(folder, file_name(fresh)))}, "
+            f"then retry {fresh}")
+
+
 def _retry_held(ctx: Context, held: Held, on_note: Callable[[str], None] | None) -> None:
+    if id_problem(id_of(held.name)):
+        raise NotPossible(_rename_hint(ctx, held.name))
     try:
         job = check(ctx, held.st, held.read, held.name)
-    except InvalidJob:
-        job = None  # an invalid file goes back unchanged: its owner may have fixed it
-    target = held.name if job is None else file_name(job["id"])
+    except InvalidJob as e:
+        # Back in new/ as it is, it would only die again: say what to change.
+        if held.st.st_uid not in ctx.trusted_uids:
+            raise NotPossible(f"cannot retry {id_of(held.name)}: {e}") from None
+        path = os.path.join(ctx.spool.root, "dead", held.name)
+        raise NotPossible(f"cannot retry {id_of(held.name)}: {e}; fix the file ({path}) or remove it") from None
+    target = file_name(job["id"])
     elsewhere = ctx.spool.find((target,), ("new", "cur", "failed", "done"))
     if elsewhere:
         raise NotPossible(f"a job {id_of(target)} is already in {elsewhere[0]}/; the dead job stays in dead/")
@@ -612,14 +644,13 @@ def _retry_held(ctx: Context, held: Held, on_note: Callable[[str], None] | None)
         raise NotPossible(f"new/{target} already exists; the dead job stays in dead/") from None
     except FileNotFoundError:  # a lock does not stop `mv`
         raise NotPossible(f"dead/{held.name} was moved away meanwhile (by hand?); it was not retried") from None
-    if job is not None:
-        _clear_run_fields(job)
-        job["state"] = "new"
-        job["attempts"] = 0
-        job["retried_at"] = rfc3339()
-        _rewrite_after_move(ctx, held, record.dumps(job), "new", on_note,
-                            f"job {id_of(target)} is back in new/, but its record could not be updated",
-                            "a worker still gives it a fresh round")
+    _clear_run_fields(job)
+    job["state"] = "new"
+    job["attempts"] = 0
+    job["retried_at"] = rfc3339()
+    _rewrite_after_move(ctx, held, record.dumps(job), "new", on_note,
+                        f"job {id_of(target)} is back in new/, but its record could not be updated",
+                        "a worker still gives it a fresh round")
     try:
         held.set_mtime(time.time_ns())  # due now (its mtime, from when it died, is past anyway)
     except OSError:

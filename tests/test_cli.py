@@ -116,6 +116,18 @@ def test_enqueue_delay_sets_the_due_time(spool):
     assert spool.record("new", b)["run_at"] == "2030-01-02T03:04:05.000000Z"
 
 
+def test_a_delay_or_timeout_out_of_range_is_named_as_given(spool):
+    """Not as the epoch seconds or the number of seconds it became."""
+    for args, message in [
+        (["--in", "99999999999"], "--in 99999999999 is too far ahead: a job can be due at the latest at 2200-01-01T00:00:00Z"),
+        (["--in", "70000d"], "--in 70000d is too far ahead: a job can be due at the latest at 2200-01-01T00:00:00Z"),
+        (["--timeout", "3651d"], "--timeout 3651d is too long: a timeout is at most 315360000 seconds (3650d)"),
+    ]:
+        proc = spool.run("enqueue", *args, "true", check=False)
+        assert (proc.returncode, proc.stderr) == (2, f"spoolq: {message}\n"), args
+    assert spool.ids("new") == []
+
+
 def test_generated_ids_are_unique_and_sort_in_creation_order(spool):
     ids = spool.run("enqueue", "--jsonl", "-", input='{"command": "true"}\n' * 300).stdout.split()
     ids += [spool.enqueue("true") for _ in range(3)]
@@ -237,8 +249,9 @@ def test_odd_names_cannot_break_line_output(fast_spool):
     assert s.names("dead") == ["a\nb.json"]
     lines = s.run("list").stdout.splitlines()
     assert len(lines) == 1 and "a\\nb" in lines[0]
-    retried = s.run("retry", "--all").stdout.splitlines()
-    assert retried == ["a\\nb"]
+    proc = s.run("retry", "--all", check=False)  # refused (no valid id), said on one line
+    assert proc.returncode == 1 and proc.stdout == "" and len(proc.stderr.splitlines()) == 1
+    assert proc.stderr.startswith("spoolq: cannot retry 'a\\nb': ")
 
 
 def test_retry_of_an_entry_in_dead_that_is_not_a_file_says_so(fast_spool):
@@ -249,6 +262,51 @@ def test_retry_of_an_entry_in_dead_that_is_not_a_file_says_so(fast_spool):
     proc = s.run("retry", "dirjob", check=False)
     assert proc.returncode == 1
     assert proc.stderr == "spoolq: dead/dirjob is not a regular file, so not a job to retry; move or remove it by hand\n"
+
+
+def test_retry_of_an_invalid_dead_file_says_why_and_how_to_fix_it(fast_spool):
+    """A dead file that can never run is not moved back to new/ (it would
+    only die again): retry says why and what to do, exit 1, and --all goes
+    on with the others. A file under a name that is no valid id is shown by
+    the name `list` prints, and retry says how to give it a valid one."""
+    s = fast_spool
+    s.drop("broken.json", '{"command": ')
+    s.drop("badfield.json", '{"command": "true", "max_attempts": 0}')
+    s.drop("bad name.json", '{"command": "echo renamed"}')
+    good = s.enqueue("--max-attempts", "1", "false")
+    s.work()
+    assert sorted(s.ids("dead")) == sorted(["broken", "badfield", "bad name", good])
+    dead = s.path / "dead"
+    before = {n: (dead / n).read_bytes() for n in os.listdir(dead)}
+    proc = s.run("retry", "broken", check=False)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr == (f"spoolq: cannot retry broken: not valid JSON: Expecting value at line 1 column 13; "
+                           f"fix the file ({dead / 'broken.json'}) or remove it\n")
+    listed = [line.split()[1:3] for line in s.run("list", "--state", "dead").stdout.splitlines()]
+    assert ["bad", "name"] in listed
+    shown = s.show("bad name")
+    assert shown["state"] == "dead" and "bad file name" in shown["error"]
+    assert s.run("show", "bad name").stdout.startswith("command: echo renamed")
+    rename = (f"spoolq: cannot retry 'bad name': id 'bad name' is not 1-128 characters of A-Z a-z 0-9 . _ -; "
+              f"give it a valid id, e.g. mv '{dead / 'bad name.json'}' {dead / 'bad_name.json'}, then retry bad_name\n")
+    proc = s.run("retry", "bad name", check=False)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (1, "", rename)
+    proc = s.run("retry", "--all", check=False)
+    assert proc.returncode == 1 and proc.stdout == f"{good}\n"
+    assert proc.stderr.splitlines() == [
+        rename.rstrip("\n"),
+        f"spoolq: cannot retry badfield: max_attempts must be an integer >= 1, not 0; fix the file ({dead / 'badfield.json'}) or remove it",
+        f"spoolq: cannot retry broken: not valid JSON: Expecting value at line 1 column 13; fix the file ({dead / 'broken.json'}) or remove it",
+    ]
+    assert {n: (dead / n).read_bytes() for n in os.listdir(dead)} == {n: b for n, b in before.items() if n != f"{good}.json"}
+    # As told: renamed, retried, run.
+    os.rename(dead / "bad name.json", dead / "bad_name.json")
+    assert s.run("retry", "bad_name").stdout == "bad_name\n"
+    s.work()
+    assert s.show("bad_name")["stdout"] == "renamed\n"
+    # A name that no file has is still invalid input.
+    proc = s.run("retry", "no such", check=False)
+    assert proc.returncode == 2 and proc.stderr == "spoolq: id 'no such' is not 1-128 characters of A-Z a-z 0-9 . _ -\n"
 
 
 def test_status_list_and_show(fast_spool):
@@ -293,6 +351,46 @@ def test_config_list_get_set(spool):
                        ("output_limit", "-1"), ("rescan_interval", "0"), ("timeout", "abc")]:
         proc = spool.run("config", "set", key, value, check=False)
         assert proc.returncode == 2 and key in proc.stderr
+
+
+def test_duration_settings_take_the_duration_syntax_of_the_options(fast_spool):
+    """Settings in seconds accept what --timeout and --in accept (5m, 1h30m),
+    from `config set` and from a config.json written by hand; config.json
+    and `config get` hold plain seconds."""
+    s = fast_spool
+    for key, value, seconds in [("timeout", "5m", 300), ("timeout_grace", "1.5s", 1.5), ("backoff_initial", "1m30s", 90),
+                                ("backoff_max", "2h", 7200), ("rescan_interval", "10 min", 600)]:
+        proc = s.run("config", "set", key, value)
+        assert proc.stdout == f"{key} = {json.dumps(seconds)}\n"
+        assert s.run("config", "get", key).stdout.strip() == json.dumps(seconds)
+        assert json.loads((s.path / "config.json").read_text())[key] == seconds
+    proc = s.run("config", "set", "timeout", "5 parsecs", check=False)
+    assert proc.returncode == 2
+    assert proc.stderr == "spoolq: timeout must be a duration (like 90, 5m, 1h30m, 7d), not '5 parsecs'\n"
+    proc = s.run("config", "set", "timeout", "3651d", check=False)
+    assert proc.returncode == 2 and "(given as '3651d')" in proc.stderr and proc.stderr.count("\n") == 1
+    # Written by hand: the same syntax, and it takes effect.
+    stored = json.loads((s.path / "config.json").read_text())
+    (s.path / "config.json").write_text(json.dumps(dict(stored, timeout="1s", timeout_grace="1s")))
+    assert s.run("config", "get", "timeout").stdout.strip() == "1"
+    job = s.enqueue("--max-attempts", "1", "sleep 60")
+    began = time.monotonic()
+    s.work()
+    assert time.monotonic() - began < 30
+    assert s.where(job) == ["dead"] and "timed out" in s.show(job)["error"]
+
+
+def test_trusted_users_must_exist_here_or_be_numeric_uids(spool):
+    """A misspelt user name would trust nobody without a word: refused.
+    A numeric uid need not have a name on this system."""
+    proc = spool.run("config", "set", "trusted_users", "nobody,no-such-user", check=False)
+    assert proc.returncode == 2
+    assert proc.stderr == "spoolq: trusted_users: no user 'no-such-user' on this system (give a user name or a numeric uid)\n"
+    assert not (spool.path / "config.json").exists() or "trusted_users" not in json.loads((spool.path / "config.json").read_text())
+    assert spool.run("config", "set", "trusted_users", "nobody,64999").stdout == 'trusted_users = ["nobody", "64999"]\n'
+    # One written by hand that no longer resolves does not stop the spool.
+    (spool.path / "config.json").write_text('{"trusted_users": ["gone-user"]}')
+    assert spool.status()["new"] == 0
 
 
 def test_a_broken_config_file_is_a_clear_error(spool):

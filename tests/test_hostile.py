@@ -549,6 +549,67 @@ def test_a_config_file_from_before_the_caps_still_works_and_a_bad_one_can_be_rep
 
 
 @needs_root
+def test_a_refusal_names_the_folder_the_user_can_change(tmp_path):
+    """A permission error names the real path to act on: the folder that
+    refuses a new file (not the temporary name spoolq gave it), config.json
+    by its full path, and the parent folder a user may not enter (not "no
+    spool")."""
+    import tempfile
+
+    nobody = _user("nobody")
+    as_nobody = ["setpriv", f"--reuid={nobody.pw_uid}", f"--regid={nobody.pw_gid}", "--clear-groups"]
+    if subprocess.run(as_nobody + SPOOLQ + ["--version"], capture_output=True).returncode != 0:
+        pytest.skip("spoolq is not installed where nobody can run it")
+    base = tempfile.mkdtemp(prefix="spoolq-denied-")  # not under tmp_path: nobody cannot enter that
+    try:
+        os.chmod(base, 0o755)
+
+        def run(spool: str, *args: str, input: str | None = None) -> subprocess.CompletedProcess:
+            return subprocess.run(as_nobody + SPOOLQ + ["-s", spool, *args], capture_output=True, text=True,
+                                  input=input, timeout=60, env=dict(os.environ, HOME="/tmp"))
+
+        own = os.path.join(base, "own")
+        os.mkdir(own)
+        os.chown(own, nobody.pw_uid, nobody.pw_gid)
+        assert run(own, "init").returncode == 0
+        for folder, args, where in (("tmp", ["enqueue", "true"], "tmp"), ("new", ["enqueue", "true"], "new"),
+                                    ("new", ["enqueue", "--jsonl", "-"], "new"), ("", ["config", "set", "max_attempts", "3"], "")):
+            os.chmod(os.path.join(own, folder), 0o555)
+            try:
+                proc = run(own, *args, input='{"command": "true"}\n')
+            finally:
+                os.chmod(os.path.join(own, folder), 0o700)
+            assert proc.returncode == 1 and proc.stderr == f"spoolq: permission denied: {os.path.join(own, where).rstrip('/')}\n", (args, proc.stderr)
+        assert os.listdir(os.path.join(own, "new")) == [] and os.listdir(os.path.join(own, "tmp")) == []
+        # Another user's spool whose settings this user may not read.
+        theirs = os.path.join(base, "theirs")
+        subprocess.run(SPOOLQ + ["-s", theirs, "init"], check=True, capture_output=True)
+        os.chmod(theirs, 0o755)
+        with open(os.path.join(theirs, "config.json"), "w") as f:
+            f.write("{}")
+        os.chmod(os.path.join(theirs, "config.json"), 0o600)
+        for args in (["status"], ["config", "list"]):
+            proc = run(theirs, *args)
+            assert (proc.returncode, proc.stderr) == (1, f"spoolq: permission denied: {theirs}/config.json\n"), args
+        # A spool behind a folder this user may not enter.
+        closed = os.path.join(base, "closed")
+        behind = os.path.join(closed, "inner", "spool")
+        os.makedirs(os.path.dirname(behind))
+        subprocess.run(SPOOLQ + ["-s", behind, "init"], check=True, capture_output=True)
+        os.chmod(closed, 0o700)
+        for args in (["status"], ["list"], ["show", "x"], ["sweep"], ["retry", "x"]):
+            proc = run(behind, *args)
+            assert proc.returncode == 1, args
+            assert proc.stderr == f"spoolq: permission denied: {closed} (so the spool {behind} cannot be reached)\n", (args, proc.stderr)
+        for args in (["work"], ["enqueue", "true"], ["config", "list"]):
+            proc = run(behind, *args)
+            assert proc.returncode == 1, args
+            assert proc.stderr.startswith(f"spoolq: permission denied: {closed} (so {behind}"), (args, proc.stderr)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@needs_root
 def test_a_user_without_access_is_told_permission_denied(tmp_path):
     """Audit: a user who may not enter the spool heard "not a spool; run
     'spoolq init'" (status, cancel, compact...) or "cannot read config.json"

@@ -178,6 +178,31 @@ def test_keep_drops_old_rows_only(fast_spool):
     assert s.show("new1")["state"] == "done"
 
 
+def test_keep_0_drops_every_finished_job_only_when_confirmed(fast_spool):
+    """`compact --keep 0` would drop every row, the jobs it has just folded
+    included: the command refuses it without --yes and changes nothing; the
+    Python API (keep=0) does as it is told."""
+    s = fast_spool
+    jobs = [s.enqueue("true") for _ in range(3)]
+    s.work("-q")
+    for given in ("0", "0s"):
+        proc = s.run("compact", "--keep", given, check=False)
+        assert proc.returncode == 2
+        assert proc.stderr == (f"spoolq: --keep {given} would drop the history of every finished job, including the "
+                               "ones this compaction folds; add --yes to do that\n")
+    assert sorted(s.ids("done")) == sorted(jobs) and not (s.path / "index.db").exists()
+    s.run("compact", "--keep", "1d")
+    assert s.status()["done"] == 3 and sorted(r[0] for r in _rows(s)) == sorted(jobs)
+    assert json.loads(s.run("compact", "--keep", "0", "--yes", "--json").stdout)["dropped"] == 3
+    assert _rows(s) == [] and s.run("show", jobs[0], check=False).returncode == 1
+    from spoolq import Spool
+
+    more = s.enqueue("true")
+    s.work("-q")
+    assert Spool(s.path).compact(keep=0)["dropped"] == 1
+    assert _rows(s) == [] and s.ids("done") == [] and s.run("show", more, check=False).returncode == 1
+
+
 def test_prometheus_output_parses(fast_spool):
     from prometheus_client.parser import text_string_to_metric_families
 
