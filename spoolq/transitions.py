@@ -32,7 +32,7 @@ from .protocol import (
     kind_of,
     staged_intact,
 )
-from .record import InvalidJob, rfc3339
+from .record import Incomplete, InvalidJob, rfc3339
 from .runner import Outcome
 
 
@@ -109,6 +109,13 @@ class Claimed:
 
 ERROR_LIMIT = 2000  # characters of a run's error message kept in the record
 
+#: A file in new/ that does not parse yet (empty, or cut short) and changed
+#: less than this many seconds ago may still be being written by someone who
+#: writes straight into new/ instead of renaming a finished file in: it is
+#: left for a later look, and goes to dead/ only if it is still unfinished
+#: once it has been left alone this long.
+WRITER_GRACE = 5.0
+
 
 def check(ctx: Context, st: os.stat_result, read: Callable[[int], bytes], name: str) -> dict:
     """The job a file holds, or InvalidJob with the reason it can never run."""
@@ -168,17 +175,19 @@ def quarantine(ctx: Context, held: Held, reason: str) -> str:
 
 
 def claim(ctx: Context, entry: Entry, now_ns: int, on_quarantine: Callable[[str, str], None] | None = None,
-          on_busy: Callable[[], None] | None = None) -> Claimed | None:
+          on_busy: Callable[[], None] | None = None, on_later: Callable[[str, int], None] | None = None) -> Claimed | None:
     """Take one waiting file: lock it, check it is still due, validate it,
     and rename it into cur/. Returns None when the race was lost, the file
     is not due, or it was quarantined to dead/ (``on_quarantine(name, reason)``).
-    ``on_busy()`` is called when another process holds the file's lock."""
-    ready = prepare(ctx, entry, now_ns, on_quarantine, on_busy)
+    ``on_busy()`` is called when another process holds the file's lock, and
+    ``on_later(name, when_ns)`` when a file that may still be being written
+    is left until ``when_ns`` (see WRITER_GRACE)."""
+    ready = prepare(ctx, entry, now_ns, on_quarantine, on_busy, on_later)
     return take(ctx, ready, now_ns, on_quarantine) if ready is not None else None
 
 
 def prepare(ctx: Context, entry: Entry, now_ns: int, on_quarantine: Callable[[str, str], None] | None = None,
-            on_busy: Callable[[], None] | None = None) -> Claimed | None:
+            on_busy: Callable[[], None] | None = None, on_later: Callable[[str, int], None] | None = None) -> Claimed | None:
     """All of a claim but the rename: lock the waiting file, check it is
     due, validate it. The file stays where it is, held only by the lock, so
     a crash (or ``held.release()``) leaves nothing to recover; other
@@ -211,6 +220,12 @@ def prepare(ctx: Context, entry: Entry, now_ns: int, on_quarantine: Callable[[st
         try:
             job = check(ctx, held.st, held.read, entry.name)
         except InvalidJob as e:
+            settled_ns = held.st.st_mtime_ns + int(WRITER_GRACE * 1e9)
+            if isinstance(e, Incomplete) and entry.state == "new" and now_ns < settled_ns:
+                held.release()
+                if on_later:
+                    on_later(entry.name, settled_ns)
+                return None
             name = quarantine(ctx, held, str(e))
             if on_quarantine:
                 on_quarantine(name, str(e))

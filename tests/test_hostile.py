@@ -62,6 +62,7 @@ def test_random_files_never_crash_the_worker_and_each_ends_in_one_folder(tmp_pat
         tmp = s.path / "tmp" / f"p{i}"
         tmp.write_bytes(data)
         os.rename(tmp, s.path / "new" / name)
+        os.utime(s.path / "new" / name, (1e9, 1e9))  # long written: no file waits for a writer to finish it
         dropped[name] = data
     proc = s.run("work", "--app", "noop_app:HANDLERS", check=False, cwd=str(_app_dir(tmp_path_factory)))
     assert proc.returncode == 0, proc.stderr
