@@ -305,7 +305,9 @@ class Spool:
             # `spoolq show` of a good record does not need.
             from .transitions import dead_reason
 
-            reason = dead_reason(self.context(), state, name)
+            reason = self.dir.noted_reason(name) if state == "dead" else None
+            if reason is None:  # none kept (or not for this file): worked out from the file as it is
+                reason = dead_reason(self.context(), state, name)
             if job is None:
                 job = {"id": job_id, "error": reason or "unreadable", "valid": False}
             elif reason:

@@ -171,6 +171,7 @@ def quarantine(ctx: Context, held: Held, reason: str) -> str:
         pass  # another user's file we may not touch: it keeps its own time
     name = held.move("dead")
     held.release()
+    ctx.spool.note_reason(name, reason, held.st)
     return name
 
 
@@ -206,6 +207,7 @@ def prepare(ctx: Context, entry: Entry, now_ns: int, on_quarantine: Callable[[st
             name = sp.move_entry(entry.state, entry.name, "dead")
         except FileNotFoundError:
             return None
+        sp.note_reason(name, f"{e.kind}, not a regular file")
         if on_quarantine:
             on_quarantine(name, f"{e.kind}, not a regular file")
         return None
@@ -317,6 +319,7 @@ def _quarantine_unheld(ctx, entry, reason, on_quarantine):
         name = ctx.spool.move_entry(entry.state, entry.name, "dead")
     except FileNotFoundError:
         return None
+    ctx.spool.note_reason(name, reason)
     if on_quarantine:
         on_quarantine(name, reason)
     return None
@@ -806,8 +809,8 @@ def _recover_held(ctx: Context, held: Held, run: tuple | None, staged: tuple[str
     interrupted run whose processes live on (``processes_live``)."""
     try:
         job = check(ctx, held.st, held.read, held.name)
-    except InvalidJob:
-        quarantine(ctx, held, "invalid")
+    except InvalidJob as e:
+        quarantine(ctx, held, str(e))
         report.quarantined += 1
         return False
     attempts = int(job.get("attempts") or 0)

@@ -72,7 +72,8 @@ def test_random_files_never_crash_the_worker_and_each_ends_in_one_folder(tmp_pat
     found = {}
     for state in STATES:
         for n in os.listdir(s.path / state):
-            found.setdefault(n, []).append(state)
+            if not n.startswith("."):  # spoolq's own (the reasons kept beside dead files)
+                found.setdefault(n, []).append(state)
     assert not any(len(v) > 1 for v in found.values())
     accounted = set()
     for name, data in dropped.items():

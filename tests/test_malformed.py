@@ -131,6 +131,35 @@ def test_special_files_are_never_followed_or_opened(fast_spool, tmp_path, kind):
     assert s.show("odd")["error"].startswith(expected)
 
 
+def test_the_reason_a_file_went_to_dead_is_kept_when_the_file_is_changed(fast_spool):
+    s = fast_spool
+    _settled(s.drop("edited.json", b'{"command": ["true"]}'))
+    _settled(s.drop("replaced.json", b"\x00 not json"))
+    s.work()
+    assert sorted(s.names("dead")) == ["edited.json", "replaced.json"]
+    assert (s.path / "dead" / "edited.json").read_bytes() == b'{"command": ["true"]}'  # bytes unchanged
+    was = {"edited": "command must be a non-empty string", "replaced": "not valid JSON"}
+    # Changed by hand in dead/: into a valid job, into other garbage.
+    (s.path / "dead" / "edited.json").write_text('{"command": "true"}')
+    (s.path / "dead" / "replaced.json").write_bytes(b"")
+    for job_id, reason in was.items():
+        assert reason in s.show(job_id)["error"], job_id
+        assert reason in s.run("show", job_id).stdout
+    listed = {j["id"]: j for j in map(json.loads, s.run("list", "--state", "dead", "--json").stdout.splitlines())}
+    assert sorted(listed) == ["edited", "replaced"]  # what keeps the reasons is no job
+    assert all(was[k] in listed[k]["error"] for k in was)
+    assert "command must be a non-empty string" in s.run("list", "--state", "dead").stdout
+    assert s.status()["dead"] == 2
+    # Another file under the name is told by its own reason, not the old one.
+    os.unlink(s.path / "dead" / "replaced.json")
+    (s.path / "dead" / "replaced.json").write_bytes(b"[1]")
+    assert "not a JSON object" in s.show("replaced")["error"]
+    # A file retried out of dead/ leaves nothing behind there.
+    s.run("retry", "edited")
+    assert s.where("edited") == ["new"] and s.show("edited").get("error") is None
+    assert not [n for n in os.listdir(s.path / "dead") if "edited" in n]
+
+
 def test_a_dead_file_fixed_by_hand_runs_after_retry(fast_spool):
     s = fast_spool
     _settled(s.drop("fixme.json", b'{"command": '))
