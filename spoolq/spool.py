@@ -314,6 +314,8 @@ class Spool:
                 job["error"] = reason
         if state == "done" and job.get("valid") is not False:
             job = record.as_done(job)
+        if state == "cur" and self.dir.is_locked("cur", name) is False:
+            job["abandoned"] = True  # its worker died: nobody holds it (see protocol's header)
         job["state"] = state
         job["file"] = os.path.join(self.path, state, name)
         if st is not None:
@@ -351,11 +353,13 @@ class Spool:
         return None
 
     def status(self) -> dict[str, Any]:
-        """Counts per state (``done`` includes compacted jobs) and live workers."""
+        """Counts per state (``done`` includes compacted jobs), the jobs in
+        cur/ whose worker died (``abandoned``), and live workers."""
         from .registry import live_workers
 
         self._open()
         counts: dict[str, Any] = {state: self.dir.count(state) for state in STATES}
+        counts["abandoned"] = sum(self.dir.is_locked("cur", name) is False for name in self.dir.names("cur"))
         counts["done_files"] = counts["done"]
         index = self.index()
         counts["compacted"] = index.count("done") if index is not None else 0
