@@ -537,16 +537,21 @@ class SpoolDir:
                 if self.is_locked("workers", name) is False:
                     _unlink_quietly(self.fd("workers"), name)
                     removed += 1
-        # Reasons kept for dead files moved away by hand since (a minute
-        # old at least: one written just now may be for a file that is new).
+        return removed
+
+    def remove_stale_reasons(self) -> int:
+        """Remove the reasons kept (see note_reason) for dead files that
+        were moved away by hand: one listing of dead/. Only those a minute
+        old: one written just now may be for a file that is moving in."""
         old = time.time() - 60
         with os.scandir(self.fd("dead")) as it:
-            kept = [e.name for e in it if e.name.startswith(REASON_PREFIX) and _changed_before(e, old)]
-        for name in kept:
-            if self.noted_reason(name[len(REASON_PREFIX):]) is None:
-                _unlink_quietly(self.fd("dead"), name)
-                removed += 1
-        return removed
+            listed = list(it)
+        files = {e.name for e in listed if not e.name.startswith(".")}
+        stale = [e.name for e in listed if e.name.startswith(REASON_PREFIX)
+                 and e.name[len(REASON_PREFIX):] not in files and _changed_before(e, old)]
+        for name in stale:
+            _unlink_quietly(self.fd("dead"), name)
+        return len(stale)
 
     def note_reason(self, name: str, reason: str, st: os.stat_result | None = None) -> None:
         """Keep why ``dead/name`` (the file ``st`` is of) went to dead/, so

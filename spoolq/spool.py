@@ -266,7 +266,10 @@ class Spool:
         from .index import purge_dead
 
         self._open()
-        return purge_dead(self.dir, self.index(create=True), self.settings, older_than)
+        try:
+            return purge_dead(self.dir, self.index(create=True), self.settings, older_than)
+        finally:
+            self.dir.remove_stale_reasons()
 
     def stats(self, since: float | None = None) -> dict[str, Any]:
         """Finished jobs, throughput, wait time (due to start) and run time
@@ -463,6 +466,7 @@ class Spool:
             self.dir.drop_spares()
         report.tmp_removed = self.dir.remove_tmp()
         self.dir.remove_stale_spares()
+        self.dir.remove_stale_reasons()
         return report
 
     # -- running -----------------------------------------------------------

@@ -160,6 +160,17 @@ def test_the_reason_a_file_went_to_dead_is_kept_when_the_file_is_changed(fast_sp
     assert not [n for n in os.listdir(s.path / "dead") if "edited" in n]
 
 
+def test_a_purged_dead_file_keeps_the_reason_it_went_to_dead(fast_spool):
+    s = fast_spool
+    _settled(s.drop("fixed.json", b'{"argv": "true"}'))
+    s.work()
+    (s.path / "dead" / "fixed.json").write_text('{"argv": ["true"]}')
+    assert s.run("purge", "--dead", "--older-than", "0").stdout.startswith("purged 1 ")
+    shown = s.show("fixed")
+    assert shown["state"] == "dead" and "argv must be a non-empty list" in shown["error"]
+    assert os.listdir(s.path / "dead") == []
+
+
 def test_a_dead_file_fixed_by_hand_runs_after_retry(fast_spool):
     s = fast_spool
     _settled(s.drop("fixme.json", b'{"command": '))
