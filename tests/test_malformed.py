@@ -194,6 +194,7 @@ def _watching(s, tmp_path):
     s.config("rescan_interval", 3600)
     log = tmp_path / "worker.log"
     proc = s.popen("work", "--watch", stderr=open(log, "w"))
+    wait_for(lambda: s.names("workers"), what="the worker to start")
     return proc, log
 
 
@@ -245,13 +246,13 @@ def test_a_file_left_unfinished_goes_to_dead_once_its_writer_is_quiet(fast_spool
 
 def test_a_drain_waits_out_the_grace_and_files_no_writer_can_finish_go_to_dead_at_once(fast_spool, tmp_path):
     s = fast_spool
-    s.drop("empty.json", b"")  # just created: its writer may be about to write
+    s.config("max_job_bytes", 1000)
     s.drop("words.json", b"this is not json")  # no appending makes this a job
     s.drop("array.json", b'["command", ')  # a job is an object
     s.drop("has space.json", b'{"command": ')  # a name no job can have
-    s.config("max_job_bytes", 1000)
     s.drop("big.json", b'{"command": "' + b"x" * 5000)  # too large already
     os.symlink(tmp_path / "nowhere", s.path / "new" / "link.json")
+    s.drop("empty.json", b"")  # just created: its writer may be about to write
     proc = s.work()
     assert sorted(s.names("dead")) == sorted(["empty.json", "words.json", "array.json", "has space.json",
                                               "big.json", "link.json"])
