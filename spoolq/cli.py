@@ -362,7 +362,7 @@ def status(ctx, as_json, prometheus):
         echo(json.dumps(counts))
         return
     for state in ("new", "cur", "failed"):
-        echo(f"{state:<8}{counts[state]:>10}")
+        echo(f"{state:<8}{counts[state]:>10}{_abandoned(counts['abandoned']) if state == 'cur' else ''}")
     purged = f"  (and {counts['dead_purged']} purged into index.db)" if counts.get("dead_purged") else ""
     echo(f"{'dead':<8}{counts['dead']:>10}{purged}")
     echo(f"{'done':<8}{counts['done']:>10}  ({counts['done_files']} in done/, {counts['compacted']} compacted)")
@@ -371,6 +371,14 @@ def status(ctx, as_json, prometheus):
     for w in workers:
         running = ", ".join(w.get("jobs") or {}) or "idle"
         echo(f"  {w.get('worker')}  pid {w.get('pid')}  since {w.get('started_at')}  running: {running}")
+
+
+def _abandoned(n: int) -> str:
+    if not n:
+        return ""
+    if n == 1:
+        return "  (1 abandoned: its worker died; 'spoolq sweep' or the next worker recovers it)"
+    return f"  ({n} abandoned: their workers died; 'spoolq sweep' or the next worker recovers them)"
 
 
 def _summary(job: dict[str, Any]) -> str:
@@ -384,6 +392,8 @@ def _summary(job: dict[str, Any]) -> str:
         line += f"  [{error}]"
     elif job.get("outcome") == "cancelled" or (job["state"] == "done" and "outcome" not in job):
         line += "  [cancelled]"  # a done job is a success unless it says so (record.as_done)
+    if job.get("abandoned"):
+        line += f"  [{output.ABANDONED}]"
     return one_line(line)
 
 

@@ -464,6 +464,9 @@ def fold(spool: SpoolDir, index: Index, folder: str, names: list[str], settings:
                         left += 1
                         continue
                     job = _invalid_record(name, held, e, int(settings["max_job_bytes"]))
+                kept = spool.noted_reason(name) if folder == "dead" else None
+                if kept is not None and (job.get("invalid") or job.get("error") is None):
+                    job["error"] = kept  # why it went to dead/, whatever was written into it since
                 if folder == "done":
                     job = record.as_done(job)
                 held_batch.append(held)

@@ -135,6 +135,9 @@ def refuse_bad_ids(job_ids) -> None:
             fail(problem, 2)  # quoted: a hostile id cannot break the line
 
 
+ABANDONED = "abandoned: the worker running it died; 'spoolq sweep' (or the next worker) recovers it"
+
+
 def show(spool, job_id: str, as_json: bool) -> None:
     """``spoolq show``: one job's record, wherever it is, or exit 1."""
     require_spool(spool)
@@ -156,3 +159,5 @@ def show(spool, job_id: str, as_json: bool) -> None:
                 echo("  - " + " ".join(f"{k}={v}" for k, v in h.items()) if isinstance(h, dict) else f"  - {h}")
         else:
             echo(f"{key}: {value if isinstance(value, str) else dumps(value)}")
+    if job.get("abandoned"):
+        echo(f"note: {ABANDONED}")

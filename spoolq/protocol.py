@@ -22,6 +22,7 @@ import itertools
 import os
 import re
 import stat
+import sys
 import threading
 import time
 import zlib
@@ -47,6 +48,12 @@ TMP_MAX_AGE = 36 * 3600  # Maildir's rule: a tmp/ file this old is abandoned.
 #: A record written ahead of its swap into cur/ (``Held.stage``):
 #: ``.staged.<job file name>.<crc32 of its content, 8 hex digits>``.
 STAGED_PREFIX = ".staged."
+
+#: Why a file went to dead/, kept from that moment on whatever is later
+#: written into it: ``dead/.reason.<its name>``, holding the identity of the
+#: file it is for (``<inode> <device> <birth time in ns>``), a newline, and
+#: the reason.
+REASON_PREFIX = ".reason."
 
 _ID_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}\Z")
 
@@ -540,6 +547,58 @@ class SpoolDir:
                     _unlink_quietly(self.fd("workers"), name)
                     removed += 1
         return removed
+
+    def remove_stale_reasons(self) -> int:
+        """Remove the reasons kept (see note_reason) for dead files that
+        were moved away by hand: one listing of dead/. Only those a minute
+        old: one written just now may be for a file that is moving in."""
+        old = time.time() - 60
+        with os.scandir(self.fd("dead")) as it:
+            listed = list(it)
+        files = {e.name for e in listed if not e.name.startswith(".")}
+        stale = [e.name for e in listed if e.name.startswith(REASON_PREFIX)
+                 and e.name[len(REASON_PREFIX):] not in files and _changed_before(e, old)]
+        for name in stale:
+            _unlink_quietly(self.fd("dead"), name)
+        return len(stale)
+
+    def note_reason(self, name: str, reason: str, st: os.stat_result | None = None) -> None:
+        """Keep why ``dead/name`` (the file ``st`` is of) went to dead/, so
+        that it is still told after the file is changed by hand. The file's
+        own bytes are never touched: the reason goes in a dot-file beside it,
+        naming the file's inode, so that another file given the name later
+        does not inherit it. Written after the move and not synced: without
+        it (a crash in between, a full disk) the reason is worked out again
+        from the file, as it can be until the file is changed."""
+        dead_dir, tmp_dir = self.fd("dead"), self.fd("tmp")
+        tmp = self.tmp_name("reason")
+        try:
+            if st is None:
+                st = os.stat(name, dir_fd=dead_dir, follow_symlinks=False)
+            data = f"{_identity(dead_dir, name, st)}\n{reason}".encode("utf-8", "surrogatepass")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, self.file_mode, dir_fd=tmp_dir)
+            try:
+                if self.shared:
+                    os.fchmod(fd, self.file_mode)
+                _write_all(fd, data)
+            finally:
+                os.close(fd)
+            os.rename(tmp, REASON_PREFIX + name, src_dir_fd=tmp_dir, dst_dir_fd=dead_dir)
+        except OSError:
+            _unlink_quietly(tmp_dir, tmp)
+
+    def noted_reason(self, name: str) -> str | None:
+        """The reason kept for ``dead/name`` (see note_reason), if one was
+        kept for the file that has the name now."""
+        try:
+            st = os.stat(name, dir_fd=self.fd("dead"), follow_symlinks=False)
+            data, _ = self.read("dead", REASON_PREFIX + name, 1 << 16)
+        except (OSError, NotRegular):
+            return None
+        head, newline, reason = data.decode("utf-8", "surrogatepass").partition("\n")
+        if not newline or head != _identity(self.fd("dead"), name, st):
+            return None
+        return reason
 
     @property
     def file_mode(self) -> int:
@@ -1208,6 +1267,8 @@ class Held:
             os.unlink(self.name, dir_fd=self.spool.fd(self.folder))
         except FileNotFoundError:
             pass
+        if self.folder == "dead":
+            _unlink_quietly(self.spool.fd("dead"), REASON_PREFIX + self.name)
         self.release()
 
     def set_mtime(self, mtime_ns: int) -> None:
@@ -1231,6 +1292,8 @@ class Held:
                 if keep_name:
                     raise
                 target = sp._free_name(to_folder, to_name or self.name, force_suffix=True)
+        if self.folder == "dead":  # its reason stays behind no longer (see note_reason)
+            _unlink_quietly(src_dir, REASON_PREFIX + self.name)
         # Where the file is now, before a sync that may fail: a caller told
         # of that failure must not think the job is still where it was.
         from_folder, self.folder, self.name = self.folder, to_folder, target
@@ -1265,6 +1328,44 @@ def _changed_before(entry: os.DirEntry, when: float) -> bool:
         return entry.stat(follow_symlinks=False).st_mtime < when
     except FileNotFoundError:
         return False
+
+
+_statx_func = None
+
+
+def _birth_ns(dir_fd: int, name: str) -> int:
+    """When the file was created (statx's btime), in ns; 0 where the kernel,
+    C library or filesystem do not say."""
+    global _statx_func
+    if _statx_func is None:
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            func = libc.statx
+            func.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint, ctypes.c_char_p]
+            func.restype = ctypes.c_int
+            _statx_func = (func, ctypes.create_string_buffer)
+        except (OSError, AttributeError):
+            _statx_func = False
+    if not _statx_func:
+        return 0
+    func, make_buffer = _statx_func
+    buf = make_buffer(256)  # struct statx
+    # AT_SYMLINK_NOFOLLOW, STATX_BTIME; stx_mask at 0, stx_btime (s64 sec, u32 nsec) at 80
+    if func(dir_fd, os.fsencode(name), 0x100, 0x800, buf) != 0:
+        return 0
+    raw = buf.raw
+    if not int.from_bytes(raw[0:4], sys.byteorder) & 0x800:
+        return 0
+    return int.from_bytes(raw[80:88], sys.byteorder, signed=True) * 1_000_000_000 + int.from_bytes(raw[88:92], sys.byteorder)
+
+
+def _identity(dir_fd: int, name: str, st: os.stat_result) -> str:
+    """What tells a file from another given its name later, yet stays the
+    same while it is written to: its inode, and the time it was created
+    (an inode number is often reused at once once its file is removed)."""
+    return f"{st.st_ino} {st.st_dev} {_birth_ns(dir_fd, name)}"
 
 
 def staged_job_name(name: str) -> str | None:

@@ -29,6 +29,12 @@ class InvalidJob(ValueError):
     """A job file or job description that can never run; the message is the reason."""
 
 
+class Incomplete(InvalidJob):
+    """Bytes that do not parse but that more bytes could still make a job:
+    an empty file, UTF-8 cut in the middle of a character, or an object cut
+    short. That is what a file still being written looks like."""
+
+
 # --------------------------------------------------------------------------
 # times and durations
 
@@ -275,15 +281,18 @@ def parse(data: bytes, job_id: str) -> dict:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise InvalidJob(f"not UTF-8 (byte {e.start})") from None
+        cut = e.end == len(data) and e.reason == "unexpected end of data"
+        raise (Incomplete if cut else InvalidJob)(f"not UTF-8 (byte {e.start})") from None
     if text.startswith("\ufeff"):
         text = text[1:]
     if not text.strip():
-        raise InvalidJob("empty file")
+        raise Incomplete("empty file")
     try:
         job = loads(text)
     except json.JSONDecodeError as e:
-        raise InvalidJob(f"not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+        # Only an object can become a job: anything else is wrong from its first byte.
+        cut = text.lstrip().startswith("{")
+        raise (Incomplete if cut else InvalidJob)(f"not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
     except ValueError as e:  # NaN, numbers too large to convert, nesting
         raise InvalidJob(f"not valid JSON: {e}") from None
     if not isinstance(job, dict):

@@ -268,7 +268,10 @@ class Spool:
         from .index import purge_dead
 
         self._open()
-        return purge_dead(self.dir, self.index(create=True), self.settings, older_than)
+        try:
+            return purge_dead(self.dir, self.index(create=True), self.settings, older_than)
+        finally:
+            self.dir.remove_stale_reasons()
 
     def stats(self, since: float | None = None) -> dict[str, Any]:
         """Finished jobs, throughput, wait time (due to start) and run time
@@ -307,13 +310,17 @@ class Spool:
             # `spoolq show` of a good record does not need.
             from .transitions import dead_reason
 
-            reason = dead_reason(self.context(), state, name)
+            reason = self.dir.noted_reason(name) if state == "dead" else None
+            if reason is None:  # none kept (or not for this file): worked out from the file as it is
+                reason = dead_reason(self.context(), state, name)
             if job is None:
                 job = {"id": job_id, "error": reason or "unreadable", "valid": False}
             elif reason:
                 job["error"] = reason
         if state == "done" and job.get("valid") is not False:
             job = record.as_done(job)
+        if state == "cur" and self.dir.is_locked("cur", name) is False:
+            job["abandoned"] = True  # its worker died: nobody holds it (see protocol's header)
         job["state"] = state
         job["file"] = os.path.join(self.path, state, name)
         if st is not None:
@@ -355,11 +362,13 @@ class Spool:
         return None
 
     def status(self) -> dict[str, Any]:
-        """Counts per state (``done`` includes compacted jobs) and live workers."""
+        """Counts per state (``done`` includes compacted jobs), the jobs in
+        cur/ whose worker died (``abandoned``), and live workers."""
         from .registry import live_workers
 
         self._open()
         counts: dict[str, Any] = {state: self.dir.count(state) for state in STATES}
+        counts["abandoned"] = sum(self.dir.is_locked("cur", name) is False for name in self.dir.names("cur"))
         counts["done_files"] = counts["done"]
         index = self.index()
         counts["compacted"] = index.count("done") if index is not None else 0
@@ -463,6 +472,7 @@ class Spool:
             self.dir.drop_spares()
         report.tmp_removed = self.dir.remove_tmp()
         self.dir.remove_stale_spares()
+        self.dir.remove_stale_reasons()
         return report
 
     # -- running -----------------------------------------------------------

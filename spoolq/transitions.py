@@ -33,7 +33,7 @@ from .protocol import (
     listed_names,
     staged_intact,
 )
-from .record import InvalidJob, rfc3339
+from .record import Incomplete, InvalidJob, rfc3339
 from .runner import Outcome
 
 
@@ -110,6 +110,13 @@ class Claimed:
 
 ERROR_LIMIT = 2000  # characters of a run's error message kept in the record
 
+#: A file in new/ that does not parse yet (empty, or cut short) and changed
+#: less than this many seconds ago may still be being written by someone who
+#: writes straight into new/ instead of renaming a finished file in: it is
+#: left for a later look, and goes to dead/ only if it is still unfinished
+#: once it has been left alone this long.
+WRITER_GRACE = 5.0
+
 
 def check(ctx: Context, st: os.stat_result, read: Callable[[int], bytes], name: str) -> dict:
     """The job a file holds, or InvalidJob with the reason it can never run."""
@@ -165,21 +172,24 @@ def quarantine(ctx: Context, held: Held, reason: str) -> str:
         pass  # another user's file we may not touch: it keeps its own time
     name = held.move("dead")
     held.release()
+    ctx.spool.note_reason(name, reason, held.st)
     return name
 
 
 def claim(ctx: Context, entry: Entry, now_ns: int, on_quarantine: Callable[[str, str], None] | None = None,
-          on_busy: Callable[[], None] | None = None) -> Claimed | None:
+          on_busy: Callable[[], None] | None = None, on_later: Callable[[str, int], None] | None = None) -> Claimed | None:
     """Take one waiting file: lock it, check it is still due, validate it,
     and rename it into cur/. Returns None when the race was lost, the file
     is not due, or it was quarantined to dead/ (``on_quarantine(name, reason)``).
-    ``on_busy()`` is called when another process holds the file's lock."""
-    ready = prepare(ctx, entry, now_ns, on_quarantine, on_busy)
+    ``on_busy()`` is called when another process holds the file's lock, and
+    ``on_later(name, when_ns)`` when a file that may still be being written
+    is left until ``when_ns`` (see WRITER_GRACE)."""
+    ready = prepare(ctx, entry, now_ns, on_quarantine, on_busy, on_later)
     return take(ctx, ready, now_ns, on_quarantine) if ready is not None else None
 
 
 def prepare(ctx: Context, entry: Entry, now_ns: int, on_quarantine: Callable[[str, str], None] | None = None,
-            on_busy: Callable[[], None] | None = None) -> Claimed | None:
+            on_busy: Callable[[], None] | None = None, on_later: Callable[[str, int], None] | None = None) -> Claimed | None:
     """All of a claim but the rename: lock the waiting file, check it is
     due, validate it. The file stays where it is, held only by the lock, so
     a crash (or ``held.release()``) leaves nothing to recover; other
@@ -198,6 +208,7 @@ def prepare(ctx: Context, entry: Entry, now_ns: int, on_quarantine: Callable[[st
             name = sp.move_entry(entry.state, entry.name, "dead")
         except FileNotFoundError:
             return None
+        sp.note_reason(name, f"{e.kind}, not a regular file")
         if on_quarantine:
             on_quarantine(name, f"{e.kind}, not a regular file")
         return None
@@ -212,6 +223,12 @@ def prepare(ctx: Context, entry: Entry, now_ns: int, on_quarantine: Callable[[st
         try:
             job = check(ctx, held.st, held.read, entry.name)
         except InvalidJob as e:
+            settled_ns = held.st.st_mtime_ns + int(WRITER_GRACE * 1e9)
+            if isinstance(e, Incomplete) and entry.state == "new" and now_ns < settled_ns:
+                held.release()
+                if on_later:
+                    on_later(entry.name, settled_ns)
+                return None
             name = quarantine(ctx, held, str(e))
             if on_quarantine:
                 on_quarantine(name, str(e))
@@ -303,6 +320,7 @@ def _quarantine_unheld(ctx, entry, reason, on_quarantine):
         name = ctx.spool.move_entry(entry.state, entry.name, "dead")
     except FileNotFoundError:
         return None
+    ctx.spool.note_reason(name, reason)
     if on_quarantine:
         on_quarantine(name, reason)
     return None
@@ -822,8 +840,8 @@ def _recover_held(ctx: Context, held: Held, run: tuple | None, staged: tuple[str
     interrupted run whose processes live on (``processes_live``)."""
     try:
         job = check(ctx, held.st, held.read, held.name)
-    except InvalidJob:
-        quarantine(ctx, held, "invalid")
+    except InvalidJob as e:
+        quarantine(ctx, held, str(e))
         report.quarantined += 1
         return False
     attempts = int(job.get("attempts") or 0)

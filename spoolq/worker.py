@@ -275,6 +275,11 @@ class Worker:
         self._spin_counted = -SPIN_RECOUNT_SECONDS
         self._last_short = True
         self._busy_this_pass = 0  # due files another process held when we tried them
+        # When the first file this pass left for its writer to finish (see
+        # transitions.WRITER_GRACE) is to be looked at again: no event may
+        # come to say so. And the (name, time) already logged, to log each once.
+        self._later_ns: int | None = None
+        self._later_logged: set[tuple[str, int]] = set()
         # (Tests lengthen the hold to catch a worker killed while it holds one.)
         self._look_ahead_hold = float(os.environ.get("SPOOLQ_TEST_LOOK_AHEAD_HOLD") or LOOK_AHEAD_HOLD)
         # (And lengthen the commit interval, to count the syncs jobs share however slow the host.)
@@ -487,11 +492,11 @@ class Worker:
                         # sleep or end the drain with it still waiting.
                         busy_rounds += 1
                         waker.wait(BUSY_RETRY_DELAY)
-                    elif not self.watch and self._active == 0:
+                    elif not self.watch and self._active == 0 and self._later_ns is None:
                         break
                     else:
                         self.registration.flush()
-                        waker.wait(self._sleep_for(next_due))
+                        waker.wait(self._sleep_for(next_due, self._later_ns))
                     if not self._may_claim():
                         break
                 self._maybe_compact()
@@ -500,6 +505,7 @@ class Worker:
                 with self._lock:
                     self._finished_since_scan = 0
                 self._busy_this_pass = 0
+                self._later_ns = None
                 # Jobs inherit stdin, stdout and stderr only: whatever else is
                 # open without close-on-exec (from whoever started us, or
                 # watchdog's inotify descriptor) is closed in every job's
@@ -528,7 +534,8 @@ class Worker:
                     claimed = transitions.take(self.ctx, ready, time.time_ns(), self._on_quarantine) if ready else None
                 else:
                     self._drop_ahead()
-                    claimed = transitions.claim(self.ctx, entry, time.time_ns(), self._on_quarantine, self._on_busy)
+                    claimed = transitions.claim(self.ctx, entry, time.time_ns(), self._on_quarantine, self._on_busy,
+                                                self._on_later)
             except Exception as e:  # a claim never takes the worker down; the file stays put
                 self.log.line(f"worker={self._wid} cannot claim {entry.state}/{entry.name}: {type(e).__name__}: {e}", 0)
                 claimed = None
@@ -574,9 +581,16 @@ class Worker:
             return
         self.log.line(f"worker={self._wid} compacted {result['folded']} jobs into index.db in {result['seconds']}s", 1)
 
-    def _sleep_for(self, next_due: int | None) -> float | None:
+    def _sleep_for(self, next_due: int | None, later: int | None = None) -> float | None:
+        """How long the dispatcher may sleep: until the next due time (watch
+        mode) or the end of a writer's grace (a drain waits for that too,
+        so the file runs or goes to dead/ before it ends)."""
         timeout = self.waker.rescan_interval if self.watch else None
-        if self.watch and next_due is not None:
+        if not self.watch:
+            next_due = None
+        if later is not None and (next_due is None or later < next_due):
+            next_due = later
+        if next_due is not None:
             until_due = max(0.0, next_due / 1e9 - time.time()) + 0.001
             timeout = until_due if timeout is None else min(timeout, until_due)
         if self._deadline is not None:
@@ -609,6 +623,19 @@ class Worker:
 
     def _on_busy(self) -> None:
         self._busy_this_pass += 1
+
+    def _on_later(self, name: str, when_ns: int) -> None:
+        if self._later_ns is None or when_ns < self._later_ns:
+            self._later_ns = when_ns
+        if (name, when_ns) in self._later_logged:
+            return
+        if len(self._later_logged) > 1000:
+            self._later_logged.clear()
+        self._later_logged.add((name, when_ns))
+        wait = max(0.0, when_ns / 1e9 - time.time())
+        self.log.line(f"worker={self._wid} job={name} not a whole job yet and changed less than "
+                      f"{transitions.WRITER_GRACE:g}s ago: left in new/ for its writer to finish, looked at again "
+                      f"in {wait:.1f}s (a file written in tmp/ and renamed into new/ never waits)", 1)
 
     def _on_quarantine(self, name: str, reason: str) -> None:
         self.log.line(f"worker={self._wid} job={name} outcome=dead state=dead error={_quote(reason)}", 0)
@@ -738,7 +765,7 @@ class Worker:
             return
         entry = entries[pos]
         try:
-            ready = transitions.prepare(self.ctx, entry, time.time_ns(), self._on_quarantine, self._on_busy)
+            ready = transitions.prepare(self.ctx, entry, time.time_ns(), self._on_quarantine, self._on_busy, self._on_later)
         except Exception:
             return  # the dispatcher will claim it the usual way and say what failed
         self._ahead = (entry, ready)

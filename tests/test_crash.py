@@ -862,3 +862,36 @@ def test_recovery_leaves_a_job_whose_processes_are_another_users_until_they_end(
         for pid in _processes_with_env(f"SPOOLQ_JOB_ID={job_id}"):
             os.kill(pid, signal.SIGKILL)
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_job_whose_worker_died_is_shown_abandoned_until_a_sweep(fast_spool, tmp_path):
+    s = fast_spool
+    pid_file = tmp_path / "job.pid"
+    job_id = s.enqueue(f"echo $$ > {pid_file}; exec sleep 300")
+    worker = s.popen("work", stderr=subprocess.DEVNULL)
+    wait_for(lambda: pid_file.exists() and pid_file.read_text().strip(), what="the job to start")
+    # While its worker lives, a running job is just running.
+    assert s.status()["abandoned"] == 0 and "abandoned" not in s.run("status").stdout
+    assert "abandoned" not in s.show(job_id) and "abandoned" not in s.run("list").stdout
+    assert s.where(job_id) == ["cur"]
+    worker.send_signal(signal.SIGKILL)
+    worker.wait()
+    os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+    status = s.status()
+    assert status["cur"] == 1 and status["abandoned"] == 1
+    text = s.run("status").stdout
+    assert "1 abandoned: its worker died; 'spoolq sweep' or the next worker recovers it" in text
+    listed = [json.loads(line) for line in s.run("list", "--json").stdout.splitlines()]
+    assert [(j["id"], j["state"], j.get("abandoned")) for j in listed] == [(job_id, "cur", True)]
+    line = s.run("list", "--state", "cur").stdout
+    assert job_id in line and "abandoned: the worker running it died; 'spoolq sweep' (or the next worker) recovers it" in line
+    shown = s.show(job_id)
+    assert shown["state"] == "cur" and shown["abandoned"] is True
+    assert "note: abandoned: the worker running it died; 'spoolq sweep' (or the next worker) recovers it" in \
+        s.run("show", job_id).stdout.splitlines()
+
+    s.run("sweep")
+    assert s.where(job_id) == ["failed"]
+    assert s.status()["abandoned"] == 0 and "abandoned" not in s.run("status").stdout
+    assert "abandoned" not in s.show(job_id) and "abandoned" not in s.run("list").stdout

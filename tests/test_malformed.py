@@ -6,8 +6,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import time
 
 import pytest
+
+from conftest import wait_for
 
 BAD_FILES = {
     "not-json": (b"this is not json", "not valid JSON"),
@@ -48,11 +53,18 @@ BAD_FILES = {
 }
 
 
+def _settled(path):
+    """A file whose writer is long done with it (see WRITER_GRACE)."""
+    old = time.time() - 60
+    os.utime(path, (old, old))
+    return path
+
+
 def test_every_malformed_class_goes_to_dead_unchanged_with_a_reason(fast_spool, tmp_path):
     s = fast_spool
     marker = tmp_path / "ran"
     for name, (data, _) in BAD_FILES.items():
-        s.drop(f"{name}.json", data.replace(b"true", f"touch {marker}".encode()) if b"NaN" in data else data)
+        _settled(s.drop(f"{name}.json", data.replace(b"true", f"touch {marker}".encode()) if b"NaN" in data else data))
     s.enqueue("--id", "good", "true")
     proc = s.work()
     assert "Traceback" not in proc.stderr
@@ -119,12 +131,132 @@ def test_special_files_are_never_followed_or_opened(fast_spool, tmp_path, kind):
     assert s.show("odd")["error"].startswith(expected)
 
 
+def test_the_reason_a_file_went_to_dead_is_kept_when_the_file_is_changed(fast_spool):
+    s = fast_spool
+    _settled(s.drop("edited.json", b'{"command": ["true"]}'))
+    _settled(s.drop("replaced.json", b"\x00 not json"))
+    s.work()
+    assert sorted(s.names("dead")) == ["edited.json", "replaced.json"]
+    assert (s.path / "dead" / "edited.json").read_bytes() == b'{"command": ["true"]}'  # bytes unchanged
+    was = {"edited": "command must be a non-empty string", "replaced": "not valid JSON"}
+    # Changed by hand in dead/: into a valid job, into other garbage.
+    (s.path / "dead" / "edited.json").write_text('{"command": "true"}')
+    (s.path / "dead" / "replaced.json").write_bytes(b"")
+    for job_id, reason in was.items():
+        assert reason in s.show(job_id)["error"], job_id
+        assert reason in s.run("show", job_id).stdout
+    listed = {j["id"]: j for j in map(json.loads, s.run("list", "--state", "dead", "--json").stdout.splitlines())}
+    assert sorted(listed) == ["edited", "replaced"]  # what keeps the reasons is no job
+    assert all(was[k] in listed[k]["error"] for k in was)
+    assert "command must be a non-empty string" in s.run("list", "--state", "dead").stdout
+    assert s.status()["dead"] == 2
+    # Another file under the name is told by its own reason, not the old one.
+    os.unlink(s.path / "dead" / "replaced.json")
+    (s.path / "dead" / "replaced.json").write_bytes(b"[1]")
+    assert "not a JSON object" in s.show("replaced")["error"]
+    # A file retried out of dead/ leaves nothing behind there.
+    s.run("retry", "edited")
+    assert s.where("edited") == ["new"] and s.show("edited").get("error") is None
+    assert not [n for n in os.listdir(s.path / "dead") if "edited" in n]
+
+
+def test_a_purged_dead_file_keeps_the_reason_it_went_to_dead(fast_spool):
+    s = fast_spool
+    _settled(s.drop("fixed.json", b'{"argv": "true"}'))
+    s.work()
+    (s.path / "dead" / "fixed.json").write_text('{"argv": ["true"]}')
+    assert s.run("purge", "--dead", "--older-than", "0").stdout.startswith("purged 1 ")
+    shown = s.show("fixed")
+    assert shown["state"] == "dead" and "argv must be a non-empty list" in shown["error"]
+    assert os.listdir(s.path / "dead") == []
+
+
 def test_a_dead_file_fixed_by_hand_runs_after_retry(fast_spool):
     s = fast_spool
-    s.drop("fixme.json", b'{"command": ')
+    _settled(s.drop("fixme.json", b'{"command": '))
     s.work()
     assert s.where("fixme") == ["dead"]
     (s.path / "dead" / "fixme.json").write_text('{"command": "true"}')
     s.run("retry", "fixme")
     s.work()
     assert s.show("fixme")["state"] == "done"
+
+
+# --------------------------------------------------------------------------
+# a writer still writing straight into new/
+
+LEFT_FOR_WRITER = "not a whole job yet"
+
+
+def _watching(s, tmp_path):
+    """A watching worker, its log in a file; only events and the writer's
+    grace can wake it (the periodic rescan is an hour away)."""
+    s.config("rescan_interval", 3600)
+    log = tmp_path / "worker.log"
+    proc = s.popen("work", "--watch", stderr=open(log, "w"))
+    wait_for(lambda: s.names("workers"), what="the worker to start")
+    return proc, log
+
+
+def _stop(proc):
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=60)
+
+
+def test_a_file_written_into_new_in_two_halves_runs_as_a_job(fast_spool, tmp_path):
+    s = fast_spool
+    marker = tmp_path / "ran"
+    proc, log = _watching(s, tmp_path)
+    with open(s.path / "new" / "slow.json", "w") as f:
+        f.write(f'{{"command": "touch {marker}"')
+        f.flush()
+
+        def seen_half():
+            # A slow writer: it keeps writing (white space) until the worker
+            # has looked at the half-written file.
+            f.write(" ")
+            f.flush()
+            return LEFT_FOR_WRITER in log.read_text()
+
+        wait_for(seen_half, interval=0.5, what="the worker to leave the half-written file alone")
+        assert s.names("new") == ["slow.json"] and s.names("dead") == []
+        f.write("}")
+    wait_for(lambda: s.where("slow") == ["done"], what="the finished file to run")
+    assert marker.exists()
+    _stop(proc)
+    assert s.names("dead") == []
+
+
+def test_a_file_left_unfinished_goes_to_dead_once_its_writer_is_quiet(fast_spool, tmp_path):
+    s = fast_spool
+    proc, log = _watching(s, tmp_path)
+    path = s.path / "new" / "stuck.json"
+    path.write_bytes(b'{"command": ')
+    written = path.stat().st_mtime
+    wait_for(lambda: LEFT_FOR_WRITER in log.read_text(), what="the worker to leave the file alone for now")
+    if time.time() - written < 4:  # (not so loaded a machine that the grace is nearly over)
+        assert s.names("new") == ["stuck.json"]
+    # No event comes, and no rescan for an hour: the worker comes back by itself.
+    wait_for(lambda: s.names("dead") == ["stuck.json"], what="the unfinished file to go to dead/")
+    assert (s.path / "dead" / "stuck.json").stat().st_mtime - written >= 4.9  # not before the grace
+    assert (s.path / "dead" / "stuck.json").read_bytes() == b'{"command": '
+    assert "not valid JSON" in s.show("stuck")["error"]
+    _stop(proc)
+
+
+def test_a_drain_waits_out_the_grace_and_files_no_writer_can_finish_go_to_dead_at_once(fast_spool, tmp_path):
+    s = fast_spool
+    s.config("max_job_bytes", 1000)
+    s.drop("words.json", b"this is not json")  # no appending makes this a job
+    s.drop("array.json", b'["command", ')  # a job is an object
+    s.drop("has space.json", b'{"command": ')  # a name no job can have
+    s.drop("big.json", b'{"command": "' + b"x" * 5000)  # too large already
+    os.symlink(tmp_path / "nowhere", s.path / "new" / "link.json")
+    s.drop("empty.json", b"")  # just created: its writer may be about to write
+    proc = s.work()
+    assert sorted(s.names("dead")) == sorted(["empty.json", "words.json", "array.json", "has space.json",
+                                              "big.json", "link.json"])
+    assert s.names("new") == []
+    waited = [line for line in proc.stderr.splitlines() if LEFT_FOR_WRITER in line]
+    assert len(waited) == 1 and "job=empty.json" in waited[0], proc.stderr
+    assert s.show("empty")["error"] == "empty file"
