@@ -196,12 +196,95 @@ def test_prometheus_output_parses(fast_spool):
     assert jobs == {"new": 1, "cur": 0, "failed": 1, "dead": 0, "done": 1}
     assert families["spoolq_jobs_compacted"].samples[0].value == 3
     assert families["spoolq_finished_jobs"].type == "counter"
-    finished = {smp.labels["outcome"]: smp.value for smp in families["spoolq_finished_jobs"].samples}
+    finished = {smp.labels["result"]: smp.value for smp in families["spoolq_finished_jobs"].samples}
     assert finished == {"succeeded": 4, "cancelled": 0}
     runs = {smp.labels["result"]: smp.value for smp in families["spoolq_runs"].samples}
-    assert runs == {"succeeded": 4, "failed": 0}
+    assert runs == {"succeeded": 4, "failed": 1}  # the job waiting in failed/ has failed once
     assert families["spoolq_workers"].samples[0].value == 0
     assert families["spoolq_oldest_due_job_age_seconds"].samples[0].value == 0  # the failed one is not due yet
+
+
+def _metrics(s) -> dict:
+    """The scrape as {sample name: {label values (spool left out): value}}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    proc = s.run("status", "--prometheus")
+    out: dict = collections.defaultdict(dict)
+    for family in text_string_to_metric_families(proc.stdout):
+        for smp in family.samples:
+            assert smp.labels.pop("spool") == str(s.path)
+            out[smp.name][tuple(sorted(smp.labels.items()))] = smp.value
+    return out
+
+
+def _counters(metrics: dict) -> dict:
+    return {(name, labels): v for name, samples in metrics.items() if name.endswith(("_total", "_bucket", "_sum", "_count"))
+            for labels, v in samples.items()}
+
+
+def test_failed_runs_count_as_they_happen_wherever_the_job_is(fast_spool):
+    """An alert on the failure rate needs each failed run counted when it
+    happens: in failed/, dead/, back in new/ after a retry, in the index
+    after a purge; no counter ever goes down, compaction and purge
+    included; the run-duration histogram counts every run."""
+    s = fast_spool
+    failing = s.enqueue("--max-attempts", "2", "exit 3")
+    s.work("-q")
+    assert s.where(failing) == ["failed"]
+    scrapes = [_metrics(s)]
+
+    def runs(m):
+        return {dict(k)["result"]: v for k, v in m["spoolq_runs_total"].items()}
+
+    assert runs(scrapes[-1]) == {"succeeded": 0, "failed": 1}
+    assert scrapes[-1]["spoolq_run_duration_seconds_count"][()] == 1
+
+    os.utime(s.path / "failed" / f"{failing}.json")  # due now: it runs again, fails, and dies
+    s.work("-q")
+    assert s.where(failing) == ["dead"]
+    scrapes.append(_metrics(s))
+    assert runs(scrapes[-1]) == {"succeeded": 0, "failed": 2}
+
+    ok = [s.enqueue("true") for _ in range(3)]
+    s.work("-q")
+    scrapes.append(_metrics(s))
+    assert runs(scrapes[-1]) == {"succeeded": 3, "failed": 2}
+    s.run("retry", failing)  # back to new/ with its history: its two runs still count
+    scrapes.append(_metrics(s))
+    assert runs(scrapes[-1]) == {"succeeded": 3, "failed": 2}
+    s.work("-q")  # a third failed run, in failed/ again
+    scrapes.append(_metrics(s))
+    assert runs(scrapes[-1]) == {"succeeded": 3, "failed": 3}
+    os.utime(s.path / "failed" / f"{failing}.json")
+    s.work("-q")
+    s.run("compact")
+    assert s.ids("done") == [] and s.ids("dead") == [failing]
+    scrapes.append(_metrics(s))
+    s.run("purge", "--dead", "--older-than", "0s")
+    assert s.ids("dead") == []
+    scrapes.append(_metrics(s))
+    assert runs(scrapes[-1]) == {"succeeded": 3, "failed": 4}
+    finished = {dict(k)["result"]: v for k, v in scrapes[-1]["spoolq_finished_jobs_total"].items()}
+    assert finished == {"succeeded": 3, "cancelled": 0}
+    # History dropped by --keep leaves the counters as they were.
+    _fake_done(s, "old", time.time() - 40 * 86400, [(0.1, 2.0), (0.1, 0.05)])
+    scrapes.append(_metrics(s))
+    assert runs(scrapes[-1]) == {"succeeded": 4, "failed": 5}
+    s.run("compact", "--keep", "30d")
+    assert s.run("show", "old", check=False).returncode == 1  # dropped
+    scrapes.append(_metrics(s))
+    assert runs(scrapes[-1]) == {"succeeded": 4, "failed": 5}
+
+    last = scrapes[-1]
+    buckets = sorted((float(dict(k)["le"]), v) for k, v in last["spoolq_run_duration_seconds_bucket"].items())
+    assert buckets[-1] == (float("inf"), 9) and last["spoolq_run_duration_seconds_count"][()] == 9
+    assert [v for _, v in buckets] == sorted(v for _, v in buckets)  # cumulative
+    assert dict(buckets)[1.0] == 8 and dict(buckets)[5.0] == 9  # the 2 s run of "old"
+    assert 2.0 <= last["spoolq_run_duration_seconds_sum"][()] < 2.0 + 8 * 1.0
+    for before, after in zip(scrapes, scrapes[1:]):
+        b, a = _counters(before), _counters(after)
+        assert set(b) <= set(a)
+        assert all(a[k] >= v for k, v in b.items()), [(k, v, a[k]) for k, v in b.items() if a[k] < v]
 
 
 def test_auto_compaction_during_a_drain(fast_spool):
