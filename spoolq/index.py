@@ -685,7 +685,17 @@ STAT_FIELDS = ("target", "jobs", "succeeded", "failed_runs", "dead", "cancelled"
 
 def stats(index: Index, extra_jobs: list[tuple[dict, str, float]], since: float | None) -> dict[str, Any]:
     """Per-target and total statistics over the index plus ``extra_jobs``
-    (the finished jobs still in folders), in SQL. Percentiles are nearest-rank."""
+    (the finished jobs still in folders), in SQL. Percentiles are nearest-rank.
+    An extra job the index holds already (compaction committed it, its
+    file not yet removed) counts once, as the index's."""
+    with index.snapshot():
+        folded = index.present([job.get("id") for job, _, _ in extra_jobs])
+        if folded:
+            extra_jobs = [entry for entry in extra_jobs if entry[0].get("id") not in folded]
+        return _stats(index, extra_jobs, since)
+
+
+def _stats(index: Index, extra_jobs: list[tuple[dict, str, float]], since: float | None) -> dict[str, Any]:
     db = index.db
     db.execute("DROP TABLE IF EXISTS temp.extra_jobs")
     db.execute("DROP TABLE IF EXISTS temp.extra_runs")

@@ -353,12 +353,23 @@ class Spool:
         from .registry import live_workers
 
         self._open()
-        counts: dict[str, Any] = {state: self.dir.count(state) for state in STATES}
-        counts["done_files"] = counts["done"]
+        counts: dict[str, Any] = {state: self.dir.count(state) for state in ("new", "cur", "failed")}
+        # A file compaction (or a purge) has committed but not yet removed
+        # counts once, as the index's: done/ and dead/ are listed first,
+        # then the index read as of one instant after that.
+        listed = {state: [id_of(name) for name in self.dir.names(state)] for state in ("dead", "done")}
         index = self.index()
-        counts["compacted"] = index.count("done") if index is not None else 0
-        counts["dead_purged"] = index.count("dead") if index is not None else 0
-        counts["done"] += counts["compacted"]
+        counts["compacted"] = counts["dead_purged"] = 0
+        if index is not None:
+            with index.snapshot():
+                counts["compacted"], counts["dead_purged"] = index.count("done"), index.count("dead")
+                for state in ("dead", "done"):
+                    if listed[state]:
+                        folded = index.present(listed[state])
+                        listed[state] = [i for i in listed[state] if i not in folded]
+        counts["dead"] = len(listed["dead"])
+        counts["done_files"] = len(listed["done"])
+        counts["done"] = counts["done_files"] + counts["compacted"]
         counts["workers"] = [
             {k: w.get(k) for k in ("worker", "host", "pid", "started_at", "jobs")} for w in live_workers(self.dir)
         ]
@@ -378,9 +389,34 @@ class Spool:
                     continue
                 found.append((st.st_mtime_ns, name, st_name))
         found.sort()
-        count = 0
         index = self.index() if "done" in states else None
-        compacted = iter(index.iter_done(since=since) if index is not None else ())
+        if index is None:
+            yield from self._merged(found, iter(()), limit)
+            return
+        with index.snapshot():
+            # A done/ file whose row compaction has committed is listed
+            # once, from the index (see status).
+            done_ids = [id_of(name) for _, name, st_name in found if st_name == "done"]
+            folded = index.present(done_ids) if done_ids else set()
+            if folded:
+                found = [f for f in found if f[2] != "done" or id_of(f[1]) not in folded]
+            yield from self._merged(found, index.iter_done(since=since), limit, folded_later=self._folded_later)
+
+    def _folded_later(self, job_id: str) -> dict[str, Any] | None:
+        """A job's compacted record, read past the snapshot a listing holds:
+        for a file compaction removed after the snapshot was taken."""
+        from .index import Index
+
+        later = Index(self.index().path, durable=False)
+        try:
+            return later.get(job_id)
+        finally:
+            later.close()
+
+    def _merged(self, found: list, compacted: Iterator[dict[str, Any]], limit: int | None,
+                folded_later: Callable[[str], dict[str, Any] | None] | None = None) -> Iterator[dict[str, Any]]:
+        """The listed files' records and the compacted jobs, merged in order."""
+        count = 0
         pending = next(compacted, None)
         for mtime_ns, name, st_name in found:
             while pending is not None and pending["_sort"] < (mtime_ns, name):
@@ -393,9 +429,12 @@ class Spool:
             if limit is not None and count >= limit:
                 return
             try:
-                yield self._read_record(st_name, name)
+                job = self._read_record(st_name, name)
             except FileNotFoundError:
-                continue
+                job = folded_later(id_of(name)) if folded_later is not None and st_name == "done" else None
+                if job is None:
+                    continue
+            yield job
             count += 1
         while pending is not None and (limit is None or count < limit):
             pending.pop("_sort", None)

@@ -9,6 +9,7 @@ import os
 import random
 import signal
 import sqlite3
+import subprocess
 import time
 
 
@@ -285,6 +286,82 @@ def test_failed_runs_count_as_they_happen_wherever_the_job_is(fast_spool):
         b, a = _counters(before), _counters(after)
         assert set(b) <= set(a)
         assert all(a[k] >= v for k, v in b.items()), [(k, v, a[k]) for k, v in b.items() if a[k] < v]
+
+
+def test_each_job_counts_and_lists_once_while_a_compaction_runs(fast_spool):
+    """Compaction commits a batch of rows, then removes their files: in
+    between, a job is in done/ and in the index. status, list and the
+    metrics, polled from other processes all through a compaction of
+    thousands of jobs, show each job exactly once, and the finished-jobs
+    counter never moves but up."""
+    import threading
+
+    s = fast_spool
+    n = 3000
+    now = time.time()
+    expected: list[str] = []
+    polls: list[tuple[str, bool, object]] = []  # (what, started while a job was in both, answer)
+
+    def in_both() -> bool:
+        try:
+            db = sqlite3.connect(f"file:{s.path / 'index.db'}?mode=ro", uri=True, timeout=30)
+            try:
+                rows = db.execute("SELECT COUNT(*) FROM jobs").fetchone()[0]
+            finally:
+                db.close()
+        except sqlite3.Error:
+            return False
+        return len(os.listdir(s.path / "done")) + rows > len(expected)
+
+    def poller(what: str, args: tuple[str, ...], parse, compaction) -> None:
+        while compaction.poll() is None:
+            both = in_both()
+            polls.append((what, both, parse(s.run(*args).stdout)))
+
+    def listed(out: str) -> list[str]:
+        return [json.loads(line)["id"] for line in out.splitlines()]
+
+    def metrics(out: str) -> tuple[float, float, float]:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        fam = {f.name: {tuple(sorted(x.labels.items())): x.value for x in f.samples}
+               for f in text_string_to_metric_families(out)}
+        spool = ("spool", str(s.path))
+        return (fam["spoolq_finished_jobs"][(("result", "succeeded"), spool)],
+                fam["spoolq_jobs"][(spool, ("state", "done"))] + fam["spoolq_jobs_compacted"][(spool,)],
+                fam["spoolq_runs"][(("result", "succeeded"), spool)])
+
+    for round_ in range(4):
+        for i in range(n):
+            job_id = f"r{round_}j{i:05d}"
+            _fake_done(s, job_id, now - 3600 + i / 100, [(0.0, 0.01)])
+            expected.append(job_id)
+        polls.clear()
+        compaction = s.popen("compact", stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        threads = [threading.Thread(target=poller, args=a + (compaction,)) for a in (
+            ("status", ("status", "--json"), lambda out: (json.loads(out)["done"],)),
+            ("list", ("list", "--state", "done", "--json"), listed),
+            ("metrics", ("status", "--prometheus"), metrics))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert compaction.wait() == 0, compaction.stderr.read()
+        assert s.names("done") == [] and s.status()["compacted"] == len(expected)
+        finished_seen = []
+        for what, _, answer in polls:
+            if what == "status":
+                assert answer == (len(expected),)
+            elif what == "list":
+                assert sorted(answer) == expected, (len(answer), len(set(answer)), len(expected))
+            else:
+                assert answer == (len(expected),) * 3
+                finished_seen.append(answer[0])
+        assert finished_seen == sorted(finished_seen)
+        if any(both for _, both, _ in polls):
+            break
+    else:
+        raise AssertionError("no poll started while a compacted job's file was still in done/")
 
 
 def test_auto_compaction_during_a_drain(fast_spool):
