@@ -308,6 +308,8 @@ class Index:
         return self._db
 
     def _open(self) -> sqlite3.Connection:
+        if self.path != ":memory:" and not os.path.lexists(self.path):
+            self._create()
         if self.shared:
             self._share()
         db = sqlite3.connect(self.path, timeout=60, isolation_level=None, check_same_thread=False)
@@ -321,6 +323,46 @@ class Index:
             db.close()
             raise
         return db
+
+    def _create(self) -> None:
+        """Make index.db whole under a temporary name and link it into
+        place: a reader finds no index or a complete one, never a file
+        whose creation failed (a full disk) and which no one can read. A
+        creator that comes second keeps the first one's."""
+        tmp = f"{self.path}.new-{os.getpid()}-{os.urandom(4).hex()}"
+        try:
+            if self.shared:
+                os.close(os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o660))
+                os.chmod(tmp, 0o660)
+            db = sqlite3.connect(tmp, isolation_level=None)
+            try:
+                db.execute(f"PRAGMA synchronous={'FULL' if self.durable else 'NORMAL'}")
+                db.executescript(f"BEGIN IMMEDIATE; {SCHEMA} PRAGMA user_version={SCHEMA_VERSION}; COMMIT;")
+                db.execute("PRAGMA journal_mode=WAL")  # the last write: the file needs nothing from a -wal
+            finally:
+                db.close()
+            if self.durable:
+                fd = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            try:
+                os.link(tmp, self.path)
+            except FileExistsError:
+                return
+            if self.durable:
+                fd = os.open(os.path.dirname(self.path) or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        finally:
+            for path in (tmp, tmp + "-wal", tmp + "-shm", tmp + "-journal"):
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
 
     def _open_read_only(self) -> sqlite3.Connection:
         """The database opened read-only: ``mode=ro``, else ``immutable``

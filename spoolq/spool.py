@@ -243,7 +243,7 @@ class Spool:
     def index(self, create: bool = False):
         """The SQLite history (None when there is none and ``create`` is off)."""
         if self._index is None:
-            if not create and not os.path.exists(os.path.join(self.path, "index.db")):
+            if not create and _empty_or_missing(os.path.join(self.path, "index.db")):
                 return None
             from .index import Index
 
@@ -563,6 +563,15 @@ def load_app(spec: str) -> dict[str, Callable[[Any], Any]]:
     if bad:
         raise ValueError(f"{spec}: handler for {bad[0]!r} is not callable")
     return dict(obj)
+
+
+def _empty_or_missing(path: str) -> bool:
+    """Whether there is no index at ``path`` to read: none, or an empty
+    file (one whose creation failed, as an older spoolq could leave)."""
+    try:
+        return os.stat(path).st_size == 0
+    except FileNotFoundError:
+        return True
 
 
 def to_json(job: dict[str, Any]) -> str:
