@@ -11,9 +11,9 @@ goes down (Prometheus would read that as a reset).
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
-from . import record
+from . import config, record
 from .index import RUN_SECONDS_BUCKETS, histogram_counts, run_counts, run_summary
 from .protocol import STATES, NotRegular, id_of
 
@@ -122,7 +122,24 @@ def _family(name: str, kind: str, help_text: str, samples: list[tuple[str, Any]]
     return lines
 
 
-def prometheus_text(spool: Any) -> str:
+def _settings_problem(spool: Any) -> str | None:
+    """Why config.json cannot be used (None when it can); the spool is then
+    read with the default settings, so the metrics still come."""
+    try:
+        spool.settings  # noqa: B018 - loads config.json
+    except config.ConfigError as e:
+        spool._settings = dict(config.DEFAULTS)
+        return str(e)
+    return None
+
+
+def prometheus_text(spool: Any, on_problem: Callable[[str], None] | None = None) -> str:
+    """The metrics. A broken config.json does not stop them: it is reported
+    as ``spoolq_config_ok 0`` (and to ``on_problem``), the rest read with
+    the default settings."""
+    problem = _settings_problem(spool)
+    if problem is not None and on_problem is not None:
+        on_problem(f"{problem} (metrics read with the default settings)")
     data = collect(spool)
     spool_label = f'spool="{_escape(spool.path)}"'
 
@@ -130,6 +147,8 @@ def prometheus_text(spool: Any) -> str:
         return [(f'{spool_label},{key}="{k}"', v) for k, v in values.items()]
 
     out: list[str] = []
+    out += _family("spoolq_config_ok", "gauge", "1 if config.json is valid (or absent), 0 if it is not (defaults used).",
+                   [(spool_label, 0 if problem else 1)])
     out += _family("spoolq_jobs", "gauge", "Jobs in each state folder (done: files not yet compacted).",
                    labelled("state", data["states"]))
     out += _family("spoolq_jobs_compacted", "gauge", "Finished jobs folded into index.db.",
