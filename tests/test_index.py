@@ -288,6 +288,24 @@ def test_failed_runs_count_as_they_happen_wherever_the_job_is(fast_spool):
         assert all(a[k] >= v for k, v in b.items()), [(k, v, a[k]) for k, v in b.items() if a[k] < v]
 
 
+def test_an_index_made_before_the_run_duration_histogram_gets_it_from_its_runs(fast_spool):
+    s = fast_spool
+    _fake_done(s, "a", time.time() - 60, [(0.1, 0.3), (0.1, 20.0)])
+    _fake_done(s, "b", time.time() - 30, [(0.1, 2.0)])
+    s.run("compact")
+    db = sqlite3.connect(s.path / "index.db")
+    with db:  # as schema 1 left it: no duration counters
+        db.execute("DELETE FROM counters WHERE name LIKE 'run_seconds%'")
+        db.execute("PRAGMA user_version = 1")
+    db.close()
+    m = _metrics(s)
+    buckets = {dict(k)["le"]: v for k, v in m["spoolq_run_duration_seconds_bucket"].items()}
+    assert (buckets["0.5"], buckets["5"], buckets["15"], buckets["60"], buckets["+Inf"]) == (1, 2, 2, 3, 3)
+    assert m["spoolq_run_duration_seconds_count"][()] == 3
+    assert abs(m["spoolq_run_duration_seconds_sum"][()] - 22.3) < 0.01
+    assert {dict(k)["result"]: v for k, v in m["spoolq_runs_total"].items()} == {"succeeded": 2, "failed": 1}
+
+
 def test_each_job_counts_and_lists_once_while_a_compaction_runs(fast_spool):
     """Compaction commits a batch of rows, then removes their files: in
     between, a job is in done/ and in the index. status, list and the
