@@ -359,17 +359,16 @@ class Spool:
         # then the index read as of one instant after that.
         listed = {state: [id_of(name) for name in self.dir.names(state)] for state in ("dead", "done")}
         index = self.index()
-        counts["compacted"] = counts["dead_purged"] = 0
+        compacted = purged = 0
         if index is not None:
             with index.snapshot():
-                counts["compacted"], counts["dead_purged"] = index.count("done"), index.count("dead")
+                compacted, purged = index.count("done"), index.count("dead")
                 for state in ("dead", "done"):
                     if listed[state]:
                         folded = index.present(listed[state])
                         listed[state] = [i for i in listed[state] if i not in folded]
-        counts["dead"] = len(listed["dead"])
-        counts["done_files"] = len(listed["done"])
-        counts["done"] = counts["done_files"] + counts["compacted"]
+        counts.update(dead=len(listed["dead"]), done=len(listed["done"]) + compacted, done_files=len(listed["done"]),
+                      compacted=compacted, dead_purged=purged)
         counts["workers"] = [
             {k: w.get(k) for k in ("worker", "host", "pid", "started_at", "jobs")} for w in live_workers(self.dir)
         ]
@@ -407,7 +406,7 @@ class Spool:
         for a file compaction removed after the snapshot was taken."""
         from .index import Index
 
-        later = Index(self.index().path, durable=False)
+        later = Index(self.index().path, durable=False, shared=self.dir.shared)
         try:
             return later.get(job_id)
         finally:
