@@ -382,6 +382,29 @@ def test_each_job_counts_and_lists_once_while_a_compaction_runs(fast_spool):
         raise AssertionError("no poll started while a compacted job's file was still in done/")
 
 
+def test_counters_only_rise_while_workers_drain_failing_jobs_and_compact(fast_spool):
+    """Scraped all through a drain (jobs moving new -> cur -> failed ->
+    cur -> dead or done, compactions folding done/), no counter ever
+    goes down, and the last scrape counts every run, the dead jobs' too."""
+    s = fast_spool
+    s.config("backoff_initial", 0)
+    s.config("compact_after", 100)
+    n = 600
+    s.run("enqueue", "--jsonl", "-", input="".join(
+        json.dumps({"command": ("exit 1", "exit $((SPOOLQ_ATTEMPT == 1))", "true")[i % 3],  # dies, fails once, runs
+                    "max_attempts": 2}) + "\n" for i in range(n)))
+    workers = [s.popen("work", "-j", "2", "-q") for _ in range(2)]
+    scrapes = []
+    while any(w.poll() is None for w in workers):
+        scrapes.append(_counters(_metrics(s)))
+    scrapes.append(_counters(_metrics(s)))
+    for before, after in zip(scrapes, scrapes[1:]):
+        assert all(after.get(k, 0) >= v for k, v in before.items()), [(k, v, after.get(k)) for k, v in before.items() if after.get(k, 0) < v]
+    last = {k[0] + str(dict(k[1]).get("result", "")): v for k, v in scrapes[-1].items()}
+    assert (last["spoolq_runs_totalsucceeded"], last["spoolq_runs_totalfailed"]) == (2 * n // 3, n)
+    assert len(scrapes) >= 3
+
+
 def test_auto_compaction_during_a_drain(fast_spool):
     s = fast_spool
     s.config("compact_after", 50)
