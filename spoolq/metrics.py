@@ -29,8 +29,9 @@ def _escape(value: str) -> str:
 
 
 def _read_jobs(spool: Any, limit: int, now_ns: int) -> tuple[dict[str, tuple], int | None]:
-    """Every job in the folders once: id -> (folder, outcome, run_summary), at its copy with the most runs; and the oldest due time
-    in new/ or failed/ (ns)."""
+    """Every job in the folders once: id -> (folder, outcome, run_summary),
+    at its copy with the most runs; and the oldest due time in new/ or
+    failed/ (ns)."""
     jobs: dict[str, tuple] = {}
     oldest_due: int | None = None
 

@@ -566,7 +566,8 @@ def load_app(spec: str) -> dict[str, Callable[[Any], Any]]:
 
 def _empty_or_missing(path: str) -> bool:
     """Whether there is no index at ``path`` to read: none, or an empty
-    file (one whose creation failed, as an older spoolq could leave)."""
+    file (one no index was ever written into: index.db is only linked into
+    place whole, but a file made in place may be empty)."""
     try:
         return os.stat(path).st_size == 0
     except FileNotFoundError:
