@@ -355,7 +355,7 @@ def status(ctx, as_json, prometheus):
     if prometheus:
         from .metrics import prometheus_text
 
-        echo(prometheus_text(spool), nl=False)
+        echo(prometheus_text(spool, on_problem=lambda message: echo(f"spoolq: {message}", err=True)), nl=False)
         return
     counts = spool.status()
     if as_json:

@@ -14,6 +14,8 @@ The index is history only: it never decides where a waiting job is.
 from __future__ import annotations
 
 import base64
+import bisect
+import contextlib
 import errno
 import functools
 import json
@@ -21,12 +23,16 @@ import os
 import stat
 import sqlite3
 import time
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 from . import procs, record
 from .protocol import Busy, Gone, NotRegular, SpoolDir, duplicate_name, file_name, id_of
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+
+# Upper bounds (seconds) of the run-duration histogram's buckets: from quick
+# handler calls to day-long batch jobs.
+RUN_SECONDS_BUCKETS = (0.1, 0.5, 1, 5, 15, 60, 300, 900, 3600, 14400, 86400)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -66,6 +72,14 @@ CREATE TABLE IF NOT EXISTS counters (
     value       INTEGER NOT NULL
 );
 """
+
+# An index of schema 1 has no run-duration counters: they are made from
+# its runs table as it is opened for writing (rows --keep dropped are gone).
+HISTOGRAM_FROM_RUNS = "".join(
+    f"INSERT OR REPLACE INTO counters (name, value) SELECT '{name}', {value} FROM runs WHERE duration IS NOT NULL{cond};"
+    for name, value, cond in [(f"run_seconds_le_{b:g}", "COUNT(*)", f" AND duration <= {b:g}") for b in RUN_SECONDS_BUCKETS]
+    + [("run_seconds_count", "COUNT(*)", ""), ("run_seconds_sum_us", "COALESCE(SUM(CAST(ROUND(duration * 1e6) AS INTEGER)), 0)", "")]
+)
 
 JOB_COLUMNS = ("id", "state", "outcome", "kind", "command", "argv", "target", "attempts", "runs", "exit_code",
                "error", "created_at", "finished_at", "record")
@@ -126,9 +140,56 @@ def _tally(counts: dict[str, int], job: dict, state: str, runs: list[tuple], sig
     """Add (``sign`` 1) or take back (-1) a stored job in the counters."""
     for name, n in ((f"rows_{state}", 1),
                     (f"jobs_{job.get('outcome') or 'succeeded'}" if state == "done" else "jobs_dead", 1),
-                    ("runs_succeeded", sum(1 for r in runs if r[10] is None)),
-                    ("runs_failed", sum(1 for r in runs if r[10] is not None))):
+                    *run_counts(job, runs).items()):
         counts[name] = counts.get(name, 0) + sign * n
+
+
+def run_counts(job: dict, runs: list[tuple] | None = None) -> dict[str, int]:
+    """What the runs in ``job``'s history add to the counters: runs by
+    result and the run-duration histogram (see run_summary; ``_le_``
+    counts are cumulative, the sum is in microseconds)."""
+    if runs is None:
+        succeeded, failed, durations = run_summary(job)
+    else:
+        succeeded = sum(1 for r in runs if r[10] is None)
+        failed = len(runs) - succeeded + _dropped(job)
+        durations = [r[8] for r in runs if r[8] is not None]
+    return histogram_counts(succeeded, failed, durations)
+
+
+def histogram_counts(succeeded: int, failed: int, durations: list[float]) -> dict[str, int]:
+    counts = {"runs_succeeded": succeeded, "runs_failed": failed,
+              "run_seconds_count": len(durations), "run_seconds_sum_us": sum(round(d * 1e6) for d in durations)}
+    durations = sorted(durations)
+    counts.update((f"run_seconds_le_{b:g}", bisect.bisect_right(durations, b)) for b in RUN_SECONDS_BUCKETS)
+    return counts
+
+
+def run_summary(job: dict) -> tuple[int, int, list[float]]:
+    """(succeeded, failed, durations) of the runs in ``job``'s history, as
+    run_rows sees them: a run failed if its entry has an error. The entries
+    trimming dropped (counted in ``history_dropped``) were failed runs:
+    only a job's last run can succeed. Durations: runs with a start and an
+    end."""
+    history = job.get("history")
+    succeeded, failed, durations = 0, _dropped(job), []
+    if isinstance(history, list):
+        for h in history:
+            if not isinstance(h, dict):
+                continue
+            if isinstance(h.get("error"), str):
+                failed += 1
+            else:
+                succeeded += 1
+            start, end = _time(h.get("start")), _time(h.get("end"))
+            if start is not None and end is not None:
+                durations.append(max(0.0, end - start))
+    return succeeded, failed, durations
+
+
+def _dropped(job: dict) -> int:
+    value = job.get("history_dropped")
+    return value if type(value) is int and value > 0 else 0
 
 
 def _time(value: Any) -> float | None:
@@ -223,7 +284,8 @@ class Index:
         """The connection: read-write, or, when that cannot be had (a full
         disk, where WAL's -shm file cannot be made), read-only, so that
         status and history still answer. A change reopens it (writable)."""
-        if self._db is not None and self.read_only and time.monotonic() - self._read_only_since > READ_ONLY_FOR:
+        if self._db is not None and self.read_only and time.monotonic() - self._read_only_since > READ_ONLY_FOR \
+                and not self._db.in_transaction:
             self.close()  # the trouble may be over: a long-lived process must not read a snapshot for ever
         if self._db is None:
             try:
@@ -246,6 +308,8 @@ class Index:
         return self._db
 
     def _open(self) -> sqlite3.Connection:
+        if self.path != ":memory:" and not os.path.lexists(self.path):
+            self._create()
         if self.shared:
             self._share()
         db = sqlite3.connect(self.path, timeout=60, isolation_level=None, check_same_thread=False)
@@ -254,11 +318,51 @@ class Index:
             # FULL: a commit is on disk before compaction removes the files it holds.
             db.execute(f"PRAGMA synchronous={'FULL' if self.durable else 'NORMAL'}")
             if db.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:
-                db.executescript(f"BEGIN IMMEDIATE; {SCHEMA} PRAGMA user_version={SCHEMA_VERSION}; COMMIT;")
+                db.executescript(f"BEGIN IMMEDIATE; {SCHEMA} {HISTOGRAM_FROM_RUNS} PRAGMA user_version={SCHEMA_VERSION}; COMMIT;")
         except BaseException:
             db.close()
             raise
         return db
+
+    def _create(self) -> None:
+        """Make index.db whole under a temporary name and link it into
+        place: a reader finds no index or a complete one, never a file
+        whose creation failed (a full disk) and which no one can read. A
+        creator that comes second keeps the first one's."""
+        tmp = f"{self.path}.new-{os.getpid()}-{os.urandom(4).hex()}"
+        try:
+            if self.shared:
+                os.close(os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o660))
+                os.chmod(tmp, 0o660)
+            db = sqlite3.connect(tmp, isolation_level=None)
+            try:
+                db.execute(f"PRAGMA synchronous={'FULL' if self.durable else 'NORMAL'}")
+                db.executescript(f"BEGIN IMMEDIATE; {SCHEMA} PRAGMA user_version={SCHEMA_VERSION}; COMMIT;")
+                db.execute("PRAGMA journal_mode=WAL")  # the last write: the file needs nothing from a -wal
+            finally:
+                db.close()
+            if self.durable:
+                fd = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            try:
+                os.link(tmp, self.path)
+            except FileExistsError:
+                return
+            if self.durable:
+                fd = os.open(os.path.dirname(self.path) or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        finally:
+            for path in (tmp, tmp + "-wal", tmp + "-shm", tmp + "-journal"):
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
 
     def _open_read_only(self) -> sqlite3.Connection:
         """The database opened read-only: ``mode=ro``, else ``immutable``
@@ -274,7 +378,7 @@ class Index:
                                  check_same_thread=False)
             try:
                 db.execute("PRAGMA temp_store=MEMORY")  # stats builds temporary tables
-                if db.execute("PRAGMA user_version").fetchone()[0] >= SCHEMA_VERSION:
+                if db.execute("PRAGMA user_version").fetchone()[0] >= 1:  # every version reads the same
                     return db
             except sqlite3.Error:
                 pass
@@ -315,6 +419,46 @@ class Index:
             self.read_only = False
 
     # -- reading -----------------------------------------------------------
+
+    @contextlib.contextmanager
+    def snapshot(self) -> Iterator[None]:
+        """Read the index as of one instant: every query inside sees the
+        same commits. Folders listed before it are then reconciled with it:
+        a job whose file was listed is in this snapshot if compaction had
+        committed it by then, whether or not its file is gone."""
+        db = self.db
+        if db.in_transaction:  # an enclosing snapshot
+            yield
+            return
+        db.execute("BEGIN")
+        try:
+            yield
+        finally:
+            if db.in_transaction:
+                db.execute("COMMIT")
+
+    def present(self, ids: Iterable[str]) -> set[str]:
+        """Those of ``ids`` that have a row."""
+        wanted = {_sql(i): i for i in ids}
+        keys = list(wanted)
+        found: set[str] = set()
+        for pos in range(0, len(keys), 500):
+            chunk = keys[pos:pos + 500]
+            found.update(wanted[row[0]] for row in self.db.execute(
+                f"SELECT id FROM jobs WHERE id IN ({', '.join('?' * len(chunk))})", chunk))
+        return found
+
+    def records(self, ids: Iterable[str]) -> dict[str, dict]:
+        """The stored records of those of ``ids`` that have a row."""
+        wanted = {_sql(i): i for i in ids}
+        keys = list(wanted)
+        found: dict[str, dict] = {}
+        for pos in range(0, len(keys), 500):
+            chunk = keys[pos:pos + 500]
+            for key, rec in self.db.execute(
+                    f"SELECT id, record FROM jobs WHERE id IN ({', '.join('?' * len(chunk))})", chunk):
+                found[wanted[key]] = json.loads(rec)
+        return found
 
     def has(self, job_id: str) -> bool:
         return self.db.execute("SELECT 1 FROM jobs WHERE id = ?", (_sql(job_id),)).fetchone() is not None
@@ -586,7 +730,17 @@ STAT_FIELDS = ("target", "jobs", "succeeded", "failed_runs", "dead", "cancelled"
 
 def stats(index: Index, extra_jobs: list[tuple[dict, str, float]], since: float | None) -> dict[str, Any]:
     """Per-target and total statistics over the index plus ``extra_jobs``
-    (the finished jobs still in folders), in SQL. Percentiles are nearest-rank."""
+    (the finished jobs still in folders), in SQL. Percentiles are nearest-rank.
+    An extra job the index holds already (compaction committed it, its
+    file not yet removed) counts once, as the index's."""
+    with index.snapshot():
+        folded = index.present([job.get("id") for job, _, _ in extra_jobs])
+        if folded:
+            extra_jobs = [entry for entry in extra_jobs if entry[0].get("id") not in folded]
+        return _stats(index, extra_jobs, since)
+
+
+def _stats(index: Index, extra_jobs: list[tuple[dict, str, float]], since: float | None) -> dict[str, Any]:
     db = index.db
     db.execute("DROP TABLE IF EXISTS temp.extra_jobs")
     db.execute("DROP TABLE IF EXISTS temp.extra_runs")

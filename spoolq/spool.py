@@ -243,7 +243,7 @@ class Spool:
     def index(self, create: bool = False):
         """The SQLite history (None when there is none and ``create`` is off)."""
         if self._index is None:
-            if not create and not os.path.exists(os.path.join(self.path, "index.db")):
+            if not create and _empty_or_missing(os.path.join(self.path, "index.db")):
                 return None
             from .index import Index
 
@@ -367,13 +367,23 @@ class Spool:
         from .registry import live_workers
 
         self._open()
-        counts: dict[str, Any] = {state: self.dir.count(state) for state in STATES}
-        counts["abandoned"] = sum(self.dir.is_locked("cur", name) is False for name in self.dir.names("cur"))
-        counts["done_files"] = counts["done"]
+        counts: dict[str, Any] = {state: self.dir.count(state) for state in ("new", "cur", "failed")}
+        # A file compaction (or a purge) has committed but not yet removed
+        # counts once, as the index's: done/ and dead/ are listed first,
+        # then the index read as of one instant after that.
+        listed = {state: [id_of(name) for name in self.dir.names(state)] for state in ("dead", "done")}
         index = self.index()
-        counts["compacted"] = index.count("done") if index is not None else 0
-        counts["dead_purged"] = index.count("dead") if index is not None else 0
-        counts["done"] += counts["compacted"]
+        compacted = purged = 0
+        if index is not None:
+            with index.snapshot():
+                compacted, purged = index.count("done"), index.count("dead")
+                for state in ("dead", "done"):
+                    if listed[state]:
+                        folded = index.present(listed[state])
+                        listed[state] = [i for i in listed[state] if i not in folded]
+        counts.update(dead=len(listed["dead"]), done=len(listed["done"]) + compacted, done_files=len(listed["done"]),
+                      compacted=compacted, dead_purged=purged)
+        counts["abandoned"] = sum(self.dir.is_locked("cur", name) is False for name in self.dir.names("cur"))
         counts["workers"] = [
             {k: w.get(k) for k in ("worker", "host", "pid", "started_at", "jobs")} for w in live_workers(self.dir)
         ]
@@ -393,9 +403,34 @@ class Spool:
                     continue
                 found.append((st.st_mtime_ns, name, st_name))
         found.sort()
-        count = 0
         index = self.index() if "done" in states else None
-        compacted = iter(index.iter_done(since=since) if index is not None else ())
+        if index is None:
+            yield from self._merged(found, iter(()), limit)
+            return
+        with index.snapshot():
+            # A done/ file whose row compaction has committed is listed
+            # once, from the index (see status).
+            done_ids = [id_of(name) for _, name, st_name in found if st_name == "done"]
+            folded = index.present(done_ids) if done_ids else set()
+            if folded:
+                found = [f for f in found if f[2] != "done" or id_of(f[1]) not in folded]
+            yield from self._merged(found, index.iter_done(since=since), limit, folded_later=self._folded_later)
+
+    def _folded_later(self, job_id: str) -> dict[str, Any] | None:
+        """A job's compacted record, read past the snapshot a listing holds:
+        for a file compaction removed after the snapshot was taken."""
+        from .index import Index
+
+        later = Index(self.index().path, durable=False, shared=self.dir.shared)
+        try:
+            return later.get(job_id)
+        finally:
+            later.close()
+
+    def _merged(self, found: list, compacted: Iterator[dict[str, Any]], limit: int | None,
+                folded_later: Callable[[str], dict[str, Any] | None] | None = None) -> Iterator[dict[str, Any]]:
+        """The listed files' records and the compacted jobs, merged in order."""
+        count = 0
         pending = next(compacted, None)
         for mtime_ns, name, st_name in found:
             while pending is not None and pending["_sort"] < (mtime_ns, name):
@@ -408,9 +443,12 @@ class Spool:
             if limit is not None and count >= limit:
                 return
             try:
-                yield self._read_record(st_name, name)
+                job = self._read_record(st_name, name)
             except FileNotFoundError:
-                continue
+                job = folded_later(id_of(name)) if folded_later is not None and st_name == "done" else None
+                if job is None:
+                    continue
+            yield job
             count += 1
         while pending is not None and (limit is None or count < limit):
             pending.pop("_sort", None)
@@ -540,6 +578,16 @@ def load_app(spec: str) -> dict[str, Callable[[Any], Any]]:
     if bad:
         raise ValueError(f"{spec}: handler for {bad[0]!r} is not callable")
     return dict(obj)
+
+
+def _empty_or_missing(path: str) -> bool:
+    """Whether there is no index at ``path`` to read: none, or an empty
+    file (one no index was ever written into: index.db is only linked into
+    place whole, but a file made in place may be empty)."""
+    try:
+        return os.stat(path).st_size == 0
+    except FileNotFoundError:
+        return True
 
 
 def to_json(job: dict[str, Any]) -> str:

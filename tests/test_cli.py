@@ -543,3 +543,35 @@ def test_a_json_object_given_as_the_command_is_refused(fast_spool):
     job_id = s.enqueue("{ echo grouped; }")
     s.work()
     assert s.show(job_id)["stdout"] == "grouped\n"
+
+
+def test_prometheus_reports_a_broken_config_as_a_metric_and_still_prints_the_others(fast_spool):
+    """The metrics cron job must not go stale on a broken config.json:
+    status --prometheus says what is wrong on one stderr line, exports
+    spoolq_config_ok 0 with every other metric (read with the default
+    settings), and exits 0, so the cron line still publishes the file."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    s = fast_spool
+    s.enqueue("true")
+    s.work("-q")
+
+    def scrape(config: str | None):
+        if config is not None:
+            (s.path / "config.json").write_text(config)
+        proc = s.run("status", "--prometheus", check=False)
+        fam = {f.name: f for f in text_string_to_metric_families(proc.stdout)}
+        return proc, fam
+
+    for broken in ('{"fsync": false,', '{"max_attempts": "many"}', "[1, 2]"):
+        proc, fam = scrape(broken)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stderr.startswith("spoolq: ") and proc.stderr.count("\n") == 1, proc.stderr
+        assert "config.json" in proc.stderr and "default settings" in proc.stderr
+        assert fam["spoolq_config_ok"].samples[0].value == 0
+        assert {x.labels["state"]: x.value for x in fam["spoolq_jobs"].samples}["done"] == 1
+        assert {x.labels["result"]: x.value for x in fam["spoolq_runs"].samples} == {"succeeded": 1, "failed": 0}
+        assert s.run("status", check=False).returncode == 2  # other commands still refuse it
+    proc, fam = scrape('{"fsync": false}')
+    assert proc.returncode == 0 and proc.stderr == ""
+    assert fam["spoolq_config_ok"].samples[0].value == 1

@@ -320,6 +320,33 @@ def test_history_still_answers_on_a_full_disk_and_compaction_says_why_it_cannot(
     assert s.where("recent") == [] and s.show("recent")["compacted"]
 
 
+def test_a_first_compaction_on_a_full_disk_leaves_the_spool_as_readable_as_it_was(tiny_fs):
+    """A compaction that cannot create index.db (the disk is full) leaves
+    no index behind: status, list and stats answer as they did before it,
+    and the compaction succeeds once the disk has room."""
+    s = SpoolFixture(tiny_fs / "spool")
+    s.run("init")
+    s.enqueue("--id", "first", "echo first")
+    s.work()
+    reads = (("status", "--json"), ("list", "--state", "done"), ("stats",))
+    before = [s.run(*args).stdout for args in reads]
+    _fill(tiny_fs / "filler")
+    proc = s.run("compact", check=False)
+    assert proc.returncode == 1 and proc.stderr.startswith("spoolq: No space left on device"), proc.stderr
+    assert s.where("first") == ["done"]
+    assert not [n for n in os.listdir(s.path) if n.startswith("index.db")]
+    for args, expected in zip(reads, before):
+        proc = s.run(*args, check=False)
+        assert (proc.returncode, proc.stdout) == (0, expected), (args, proc.stderr)
+    (s.path / "index.db").touch()  # the empty file such a compaction once left is no index either
+    for args, expected in zip(reads, before):
+        proc = s.run(*args, check=False)
+        assert (proc.returncode, proc.stdout) == (0, expected), (args, proc.stderr)
+    os.unlink(tiny_fs / "filler")
+    s.run("compact")
+    assert s.where("first") == [] and s.show("first")["compacted"] and s.status()["done"] == 1
+
+
 def test_one_process_reads_the_index_read_only_on_a_full_disk_and_writes_again_once_it_is_freed(tiny_fs):
     """The read-only connection a full disk leaves the index with is for
     reading only, and not for the life of a long-lived process. One Python

@@ -9,6 +9,7 @@ import os
 import random
 import signal
 import sqlite3
+import subprocess
 import time
 
 
@@ -221,12 +222,212 @@ def test_prometheus_output_parses(fast_spool):
     assert jobs == {"new": 1, "cur": 0, "failed": 1, "dead": 0, "done": 1}
     assert families["spoolq_jobs_compacted"].samples[0].value == 3
     assert families["spoolq_finished_jobs"].type == "counter"
-    finished = {smp.labels["outcome"]: smp.value for smp in families["spoolq_finished_jobs"].samples}
+    finished = {smp.labels["result"]: smp.value for smp in families["spoolq_finished_jobs"].samples}
     assert finished == {"succeeded": 4, "cancelled": 0}
     runs = {smp.labels["result"]: smp.value for smp in families["spoolq_runs"].samples}
-    assert runs == {"succeeded": 4, "failed": 0}
+    assert runs == {"succeeded": 4, "failed": 1}  # the job waiting in failed/ has failed once
     assert families["spoolq_workers"].samples[0].value == 0
     assert families["spoolq_oldest_due_job_age_seconds"].samples[0].value == 0  # the failed one is not due yet
+
+
+def _metrics(s) -> dict:
+    """The scrape as {sample name: {label values (spool left out): value}}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    proc = s.run("status", "--prometheus")
+    out: dict = collections.defaultdict(dict)
+    for family in text_string_to_metric_families(proc.stdout):
+        for smp in family.samples:
+            assert smp.labels.pop("spool") == str(s.path)
+            out[smp.name][tuple(sorted(smp.labels.items()))] = smp.value
+    return out
+
+
+def _counters(metrics: dict) -> dict:
+    return {(name, labels): v for name, samples in metrics.items() if name.endswith(("_total", "_bucket", "_sum", "_count"))
+            for labels, v in samples.items()}
+
+
+def test_failed_runs_count_as_they_happen_wherever_the_job_is(fast_spool):
+    """An alert on the failure rate needs each failed run counted when it
+    happens: in failed/, dead/, back in new/ after a retry, in the index
+    after a purge; no counter ever goes down, compaction and purge
+    included; the run-duration histogram counts every run."""
+    s = fast_spool
+    failing = s.enqueue("--max-attempts", "2", "exit 3")
+    s.work("-q")
+    assert s.where(failing) == ["failed"]
+    scrapes = [_metrics(s)]
+
+    def runs(m):
+        return {dict(k)["result"]: v for k, v in m["spoolq_runs_total"].items()}
+
+    assert runs(scrapes[-1]) == {"succeeded": 0, "failed": 1}
+    assert scrapes[-1]["spoolq_run_duration_seconds_count"][()] == 1
+
+    os.utime(s.path / "failed" / f"{failing}.json")  # due now: it runs again, fails, and dies
+    s.work("-q")
+    assert s.where(failing) == ["dead"]
+    scrapes.append(_metrics(s))
+    assert runs(scrapes[-1]) == {"succeeded": 0, "failed": 2}
+
+    ok = [s.enqueue("true") for _ in range(3)]
+    s.work("-q")
+    scrapes.append(_metrics(s))
+    assert runs(scrapes[-1]) == {"succeeded": 3, "failed": 2}
+    s.run("retry", failing)  # back to new/ with its history: its two runs still count
+    scrapes.append(_metrics(s))
+    assert runs(scrapes[-1]) == {"succeeded": 3, "failed": 2}
+    s.work("-q")  # a third failed run, in failed/ again
+    scrapes.append(_metrics(s))
+    assert runs(scrapes[-1]) == {"succeeded": 3, "failed": 3}
+    os.utime(s.path / "failed" / f"{failing}.json")
+    s.work("-q")
+    s.run("compact")
+    assert s.ids("done") == [] and s.ids("dead") == [failing]
+    scrapes.append(_metrics(s))
+    s.run("purge", "--dead", "--older-than", "0s")
+    assert s.ids("dead") == []
+    scrapes.append(_metrics(s))
+    assert runs(scrapes[-1]) == {"succeeded": 3, "failed": 4}
+    finished = {dict(k)["result"]: v for k, v in scrapes[-1]["spoolq_finished_jobs_total"].items()}
+    assert finished == {"succeeded": 3, "cancelled": 0}
+    # History dropped by --keep leaves the counters as they were.
+    _fake_done(s, "old", time.time() - 40 * 86400, [(0.1, 2.0), (0.1, 0.05)])
+    scrapes.append(_metrics(s))
+    assert runs(scrapes[-1]) == {"succeeded": 4, "failed": 5}
+    s.run("compact", "--keep", "30d")
+    assert s.run("show", "old", check=False).returncode == 1  # dropped
+    scrapes.append(_metrics(s))
+    assert runs(scrapes[-1]) == {"succeeded": 4, "failed": 5}
+
+    last = scrapes[-1]
+    buckets = sorted((float(dict(k)["le"]), v) for k, v in last["spoolq_run_duration_seconds_bucket"].items())
+    assert buckets[-1] == (float("inf"), 9) and last["spoolq_run_duration_seconds_count"][()] == 9
+    assert [v for _, v in buckets] == sorted(v for _, v in buckets)  # cumulative
+    assert dict(buckets)[1.0] == 8 and dict(buckets)[5.0] == 9  # the 2 s run of "old"
+    assert 2.0 <= last["spoolq_run_duration_seconds_sum"][()] < 2.0 + 8 * 1.0
+    for before, after in zip(scrapes, scrapes[1:]):
+        b, a = _counters(before), _counters(after)
+        assert set(b) <= set(a)
+        assert all(a[k] >= v for k, v in b.items()), [(k, v, a[k]) for k, v in b.items() if a[k] < v]
+
+
+def test_an_index_made_before_the_run_duration_histogram_gets_it_from_its_runs(fast_spool):
+    s = fast_spool
+    _fake_done(s, "a", time.time() - 60, [(0.1, 0.3), (0.1, 20.0)])
+    _fake_done(s, "b", time.time() - 30, [(0.1, 2.0)])
+    s.run("compact")
+    db = sqlite3.connect(s.path / "index.db")
+    with db:  # as schema 1 left it: no duration counters
+        db.execute("DELETE FROM counters WHERE name LIKE 'run_seconds%'")
+        db.execute("PRAGMA user_version = 1")
+    db.close()
+    m = _metrics(s)
+    buckets = {dict(k)["le"]: v for k, v in m["spoolq_run_duration_seconds_bucket"].items()}
+    assert (buckets["0.5"], buckets["5"], buckets["15"], buckets["60"], buckets["+Inf"]) == (1, 2, 2, 3, 3)
+    assert m["spoolq_run_duration_seconds_count"][()] == 3
+    assert abs(m["spoolq_run_duration_seconds_sum"][()] - 22.3) < 0.01
+    assert {dict(k)["result"]: v for k, v in m["spoolq_runs_total"].items()} == {"succeeded": 2, "failed": 1}
+
+
+def test_each_job_counts_and_lists_once_while_a_compaction_runs(fast_spool):
+    """Compaction commits a batch of rows, then removes their files: in
+    between, a job is in done/ and in the index. status, list and the
+    metrics, polled from other processes all through a compaction of
+    thousands of jobs, show each job exactly once, and the finished-jobs
+    counter never moves but up."""
+    import threading
+
+    s = fast_spool
+    n = 3000
+    now = time.time()
+    expected: list[str] = []
+    polls: list[tuple[str, bool, object]] = []  # (what, started while a job was in both, answer)
+
+    def in_both() -> bool:
+        try:
+            db = sqlite3.connect(f"file:{s.path / 'index.db'}?mode=ro", uri=True, timeout=30)
+            try:
+                rows = db.execute("SELECT COUNT(*) FROM jobs").fetchone()[0]
+            finally:
+                db.close()
+        except sqlite3.Error:
+            return False
+        return len(os.listdir(s.path / "done")) + rows > len(expected)
+
+    def poller(what: str, args: tuple[str, ...], parse, compaction) -> None:
+        while compaction.poll() is None:
+            both = in_both()
+            polls.append((what, both, parse(s.run(*args).stdout)))
+
+    def listed(out: str) -> list[str]:
+        return [json.loads(line)["id"] for line in out.splitlines()]
+
+    def metrics(out: str) -> tuple[float, float, float]:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        fam = {f.name: {tuple(sorted(x.labels.items())): x.value for x in f.samples}
+               for f in text_string_to_metric_families(out)}
+        spool = ("spool", str(s.path))
+        return (fam["spoolq_finished_jobs"][(("result", "succeeded"), spool)],
+                fam["spoolq_jobs"][(spool, ("state", "done"))] + fam["spoolq_jobs_compacted"][(spool,)],
+                fam["spoolq_runs"][(("result", "succeeded"), spool)])
+
+    for round_ in range(4):
+        for i in range(n):
+            job_id = f"r{round_}j{i:05d}"
+            _fake_done(s, job_id, now - 3600 + i / 100, [(0.0, 0.01)])
+            expected.append(job_id)
+        polls.clear()
+        compaction = s.popen("compact", stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        threads = [threading.Thread(target=poller, args=a + (compaction,)) for a in (
+            ("status", ("status", "--json"), lambda out: (json.loads(out)["done"],)),
+            ("list", ("list", "--state", "done", "--json"), listed),
+            ("metrics", ("status", "--prometheus"), metrics))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert compaction.wait() == 0, compaction.stderr.read()
+        assert s.names("done") == [] and s.status()["compacted"] == len(expected)
+        finished_seen = []
+        for what, _, answer in polls:
+            if what == "status":
+                assert answer == (len(expected),)
+            elif what == "list":
+                assert sorted(answer) == expected, (len(answer), len(set(answer)), len(expected))
+            else:
+                assert answer == (len(expected),) * 3
+                finished_seen.append(answer[0])
+        assert finished_seen == sorted(finished_seen)
+        if any(both for _, both, _ in polls):
+            break
+    else:
+        raise AssertionError("no poll started while a compacted job's file was still in done/")
+
+
+def test_counters_only_rise_while_workers_drain_failing_jobs_and_compact(fast_spool):
+    """Scraped all through a drain (jobs moving new -> cur -> failed ->
+    cur -> dead or done, compactions folding done/), no counter ever
+    goes down, and the last scrape counts every run, the dead jobs' too."""
+    s = fast_spool
+    s.config("backoff_initial", 0)
+    s.config("compact_after", 100)
+    n = 600
+    s.run("enqueue", "--jsonl", "-", input="".join(
+        json.dumps({"command": ("exit 1", "exit $((SPOOLQ_ATTEMPT == 1))", "true")[i % 3],  # dies, fails once, runs
+                    "max_attempts": 2}) + "\n" for i in range(n)))
+    workers = [s.popen("work", "-j", "2", "-q") for _ in range(2)]
+    scrapes = []
+    while any(w.poll() is None for w in workers):
+        scrapes.append(_counters(_metrics(s)))
+    scrapes.append(_counters(_metrics(s)))
+    for before, after in zip(scrapes, scrapes[1:]):
+        assert all(after.get(k, 0) >= v for k, v in before.items()), [(k, v, after.get(k)) for k, v in before.items() if after.get(k, 0) < v]
+    last = {k[0] + str(dict(k[1]).get("result", "")): v for k, v in scrapes[-1].items()}
+    assert (last["spoolq_runs_totalsucceeded"], last["spoolq_runs_totalfailed"]) == (2 * n // 3, n)
+    assert len(scrapes) >= 3
 
 
 def test_auto_compaction_during_a_drain(fast_spool):
