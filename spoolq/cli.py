@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from typing import Any
@@ -92,7 +93,9 @@ class SpoolGroup(click.Group):
 
 
 @click.group(cls=SpoolGroup, context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("-s", "--spool", "spool_dir", envvar="SPOOLQ_DIR", default="spool", show_default=True, callback=_spool_dir,
+# The default shown by --help is the spool in use: $SPOOLQ_DIR when set.
+@click.option("-s", "--spool", "spool_dir", envvar="SPOOLQ_DIR", default=os.environ.get("SPOOLQ_DIR") or "spool",
+              show_default=True, callback=_spool_dir,
               help="The spool directory (else $SPOOLQ_DIR, else ./spool).")
 @click.version_option(package_name="spoolq")
 @click.pass_context
