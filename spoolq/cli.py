@@ -127,9 +127,11 @@ def init(ctx, group):
     echo(spool.path)
 
 
-@cli.command(context_settings={"ignore_unknown_options": False})
-@click.argument("args", nargs=-1)
-@click.option("--argv", "use_argv", is_flag=True, help="Run ARGS directly as PROG ARG... (put them after --).")
+# Everything from the first command word on is the command's own, options
+# included (`spoolq enqueue ls -l`), as with nq, tsp and env.
+@cli.command(context_settings={"ignore_unknown_options": False, "allow_interspersed_args": False})
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+@click.option("--argv", "use_argv", is_flag=True, help="Run ARGS as PROG ARG..., even a single one (no shell).")
 @click.option("--kind", help="A Python handler job of this kind.")
 @click.option("--payload", help="JSON handed to the handler, or to the process on stdin.")
 @click.option("--json", "job_json", metavar="JSON", help="A whole job object ('-' reads stdin).")
@@ -145,9 +147,13 @@ def init(ctx, group):
 def enqueue(ctx, args, use_argv, kind, payload, job_json, jsonl, job_id, max_attempts, timeout, delay, at, env, cwd):
     """Enqueue a job and print its id.
 
+    One argument is a shell command (run by /bin/sh); several are a
+    program and its arguments, run directly. Options go before them.
+
     \b
-      spoolq enqueue 'make report'
-      spoolq enqueue --argv -- convert in.png out.jpg
+      spoolq enqueue 'make report > report.log'
+      spoolq enqueue convert in.png out.jpg
+      spoolq enqueue --argv ./build.sh
       spoolq enqueue --kind send_email --payload '{"to": "a@example.com"}'
       spoolq enqueue --json '{"command": "true", "max_attempts": 3}'
       spoolq enqueue '{"command": "true"}'     (one JSON object: the same as --json)
@@ -168,9 +174,11 @@ def enqueue(ctx, args, use_argv, kind, payload, job_json, jsonl, job_id, max_att
             # JSON, but too deep or an integer too long for Python to hold:
             # refused as --json refuses it, never run by sh.
             job_json, args = args[0], ()
+    if len(args) > 1 and not use_argv and job_json is None and kind is None and jsonl is None:
+        use_argv = True  # `spoolq enqueue make report`: a program and its arguments
     forms = [bool(args) and not use_argv, use_argv, kind is not None, job_json is not None, jsonl is not None]
     if sum(forms) != 1:
-        fail("give exactly one of: a shell command, --argv -- PROG ARG..., --kind K, --json JSON, --jsonl FILE", 2)
+        fail("give exactly one of: a command (a shell command, or PROG ARG...), --kind K, --json JSON, --jsonl FILE", 2)
     if delay is not None and at is not None:
         fail("give --in or --at, not both", 2)
     options: dict[str, Any] = {}
@@ -224,15 +232,13 @@ def enqueue(ctx, args, use_argv, kind, payload, job_json, jsonl, job_id, max_att
         fields.update(options)
     elif use_argv:
         if not args:
-            fail("--argv needs PROG [ARG...] after --", 2)
+            fail("--argv needs PROG [ARG...]", 2)
         fields = {"argv": list(args), **options}
     elif kind is not None:
         if args:
             fail("--kind takes no command arguments (use --payload)", 2)
         fields = {"kind": kind, **options}
     else:
-        if len(args) != 1:
-            fail("give the shell command as one quoted argument, or use --argv -- PROG ARG...", 2)
         if args[0].lstrip().startswith('{"'):
             # No shell command starts so (a group is "{ cmd; }"): a job object
             # meant for --json, whose typo would otherwise run as sh and fail.

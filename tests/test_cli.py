@@ -136,7 +136,7 @@ def test_duplicate_id_is_refused_in_any_state(spool):
 def test_usage_errors_exit_2_with_one_line(spool):
     cases = [
         ["enqueue"],
-        ["enqueue", "a", "b"],
+        ["enqueue", "--kind", "k", "a", "b"],
         ["enqueue", "--kind", "k", "--json", "{}"],
         ["enqueue", "--json", "[1]"],
         ["enqueue", "--json", "{nope"],

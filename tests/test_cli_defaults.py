@@ -24,3 +24,25 @@ def test_help_shows_the_spool_in_use(tmp_path):
     assert proc.returncode == 0 and f"[default: {where}]" in proc.stdout and "[default: spool]" not in proc.stdout
     proc = subprocess.run(SPOOLQ + ["--help"], env=_env(), capture_output=True, text=True)
     assert "[default: spool]" in proc.stdout
+
+
+def test_several_words_are_an_argv_job_and_one_is_a_shell_command(fast_spool, tmp_path):
+    """`spoolq enqueue make report`, as nq and tsp users type it: a program
+    and its arguments; everything after the first word is the command's,
+    options included."""
+    s = fast_spool
+    several = s.enqueue("printf", "%s|", "a b", "-l")
+    assert s.record("new", several)["argv"] == ["printf", "%s|", "a b", "-l"]
+    listing = s.enqueue("--id", "ls-l", "ls", "-l", "--id", "x")
+    assert s.record("new", listing)["argv"] == ["ls", "-l", "--id", "x"] and listing == "ls-l"
+    one = s.enqueue("echo one; echo two")
+    assert s.record("new", one)["command"] == "echo one; echo two" and "argv" not in s.record("new", one)
+    dashed = s.enqueue("--", "-x", "y")
+    assert s.record("new", dashed)["argv"] == ["-x", "y"]
+    assert s.record("new", s.enqueue("--argv", "true"))["argv"] == ["true"]
+    s.work(check=False)
+    assert s.show(several)["stdout"] == "a b|-l|" and s.show(several)["state"] == "done"
+    assert s.show(one)["stdout"] == "one\ntwo\n"
+    proc = s.run("enqueue", "--kind", "k", "a", "b", check=False)
+    assert (proc.returncode, proc.stderr) == (2, "spoolq: give exactly one of: a command (a shell command, or PROG ARG...), "
+                                                 "--kind K, --json JSON, --jsonl FILE\n")
