@@ -400,7 +400,8 @@ def run_process(
     if job.get("argv") is not None:
         argv = list(job["argv"])
     else:
-        argv = ["/bin/sh", "-c", job["command"]]
+        # "--": a command starting with "-" is the command, not options to sh.
+        argv = ["/bin/sh", "-c", "--", job["command"]]
     stdin_fd = None
     stdout_fd, stderr_fd = outputs if outputs is not None else make_outputs()
     started_up = False

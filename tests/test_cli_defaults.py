@@ -46,3 +46,17 @@ def test_several_words_are_an_argv_job_and_one_is_a_shell_command(fast_spool, tm
     proc = s.run("enqueue", "--kind", "k", "a", "b", check=False)
     assert (proc.returncode, proc.stderr) == (2, "spoolq: give exactly one of: a command (a shell command, or PROG ARG...), "
                                                  "--kind K, --json JSON, --jsonl FILE\n")
+
+
+def test_a_shell_command_starting_with_a_dash_runs_as_a_command(fast_spool, tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    script = bin_dir / "-hello"
+    script.write_text("#!/bin/sh\necho hello from a dash\n")
+    script.chmod(0o755)
+    s = fast_spool
+    job_id = s.enqueue("--env", f"PATH={bin_dir}:/usr/bin:/bin", "--max-attempts", "1", "--", "-hello")
+    assert s.record("new", job_id)["command"] == "-hello"
+    s.work(check=False)
+    job = s.show(job_id)
+    assert (job["state"], job.get("stdout")) == ("done", "hello from a dash\n"), job
