@@ -142,7 +142,7 @@ def init(ctx, group):
 @click.option("--in", "delay", callback=_duration, metavar="DURATION", help="Run after this delay (90, 5m, 2h, 7d).")
 @click.option("--at", "at", metavar="TIME", help="Run at this time (RFC 3339 or epoch seconds).")
 @click.option("--env", "env", multiple=True, metavar="K=V", help="Add to the job's environment (repeatable).")
-@click.option("--cwd", help="Working directory of the run.")
+@click.option("--cwd", metavar="DIR", help="Working directory of the run (default: the current directory).")
 @click.pass_context
 def enqueue(ctx, args, use_argv, kind, payload, job_json, jsonl, job_id, max_attempts, timeout, delay, at, env, cwd):
     """Enqueue a job and print its id.
@@ -211,7 +211,7 @@ def enqueue(ctx, args, use_argv, kind, payload, job_json, jsonl, job_id, max_att
     if jsonl is not None:
         if job_id is not None:
             fail("--id cannot apply to many jobs; put an id in each line", 2)
-        jobs = list(_read_jsonl(jsonl, options))
+        jobs = [_cwd_here(fields) for fields in _read_jsonl(jsonl, options)]
         try:
             ids = spool.enqueue_many(jobs)
         except PartlyEnqueued as e:
@@ -244,7 +244,20 @@ def enqueue(ctx, args, use_argv, kind, payload, job_json, jsonl, job_id, max_att
             # meant for --json, whose typo would otherwise run as sh and fail.
             fail("the command looks like a JSON job object; give it with --json", 2)
         fields = {"command": args[0], **options}
-    _print_ids([spool.enqueue_job(fields)])
+    _print_ids([spool.enqueue_job(_cwd_here(fields))])
+
+
+def _cwd_here(fields: dict[str, Any]) -> dict[str, Any]:
+    """A command or argv job runs in the directory it was enqueued from
+    unless it names one, as with at, nq and tsp (a handler runs in the
+    worker and has no use for one). A relative cwd is made absolute by
+    ``Spool``, against this same directory."""
+    if fields.get("cwd") is None and fields.get("kind") is None:
+        try:
+            fields["cwd"] = os.getcwd()
+        except OSError as e:
+            fail(f"cannot read the current directory to run the job in: {e.strerror} (give --cwd DIR)", 1)
+    return fields
 
 
 def _print_ids(ids: list[str]) -> None:

@@ -60,3 +60,47 @@ def test_a_shell_command_starting_with_a_dash_runs_as_a_command(fast_spool, tmp_
     s.work(check=False)
     job = s.show(job_id)
     assert (job["state"], job.get("stdout")) == ("done", "hello from a dash\n"), job
+
+
+_PRINT_CWD = ["python3", "-c", "import os; print(os.getcwd())"]
+
+
+def test_enqueue_records_the_directory_it_ran_in(fast_spool, tmp_path):
+    """As at, nq and tsp do: `./nightly.sh` runs where it was enqueued, not
+    wherever the worker was started. A relative --cwd, or cwd in --json and
+    --jsonl input, is taken from the enqueuer's directory."""
+    s = fast_spool
+    here, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    (here / "sub").mkdir(parents=True)
+    elsewhere.mkdir()
+    plain = s.enqueue(*_PRINT_CWD, cwd=str(here))
+    shell = s.enqueue("pwd -P", cwd=str(here))
+    relative = s.enqueue("--cwd", "sub", *_PRINT_CWD, cwd=str(here))
+    given = s.enqueue("--cwd", str(elsewhere), *_PRINT_CWD, cwd=str(here))
+    in_json = s.enqueue("--json", json.dumps({"argv": _PRINT_CWD, "cwd": "sub"}), cwd=str(here))
+    json_default = s.enqueue("--json", json.dumps({"argv": _PRINT_CWD}), cwd=str(here))
+    in_jsonl = s.run("enqueue", "--jsonl", "-", input=json.dumps({"argv": _PRINT_CWD, "cwd": "./sub/"}) + "\n",
+                     cwd=str(here)).stdout.strip()
+    handler = s.enqueue("--kind", "k", cwd=str(here))
+    assert s.record("new", plain)["cwd"] == str(here)
+    assert s.record("new", relative)["cwd"] == s.record("new", in_json)["cwd"] == str(here / "sub")
+    assert s.record("new", in_jsonl)["cwd"] == str(here / "sub")
+    assert "cwd" not in s.record("new", handler)  # a handler runs in the worker: no directory of its own
+    s.run("cancel", handler)
+    s.work(cwd=str(elsewhere))
+    for job_id, where in ((plain, here), (shell, here), (relative, here / "sub"), (given, elsewhere),
+                          (in_json, here / "sub"), (json_default, here), (in_jsonl, here / "sub")):
+        assert s.show(job_id)["stdout"] == f"{where}\n", job_id
+
+
+def test_the_api_makes_a_relative_cwd_absolute_and_leaves_a_missing_one_out(tmp_path, monkeypatch):
+    from spoolq import Spool
+
+    q = Spool(tmp_path / "spool")
+    (tmp_path / "sub").mkdir()
+    monkeypatch.chdir(tmp_path)
+    relative = q.enqueue(command="true", cwd="sub")
+    many = q.enqueue_many([{"command": "true", "cwd": "sub"}, {"command": "true"}])
+    missing = q.enqueue(command="true")
+    assert q.get(relative)["cwd"] == q.get(many[0])["cwd"] == str(tmp_path / "sub")
+    assert "cwd" not in q.get(many[1]) and "cwd" not in q.get(missing)
