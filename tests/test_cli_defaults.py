@@ -104,3 +104,30 @@ def test_the_api_makes_a_relative_cwd_absolute_and_leaves_a_missing_one_out(tmp_
     missing = q.enqueue(command="true")
     assert q.get(relative)["cwd"] == q.get(many[0])["cwd"] == str(tmp_path / "sub")
     assert "cwd" not in q.get(many[1]) and "cwd" not in q.get(missing)
+
+
+def _home() -> str:
+    import pwd
+
+    try:
+        home = pwd.getpwuid(os.geteuid()).pw_dir
+    except KeyError:
+        return "/"
+    return os.path.realpath(home) if home and os.path.isdir(home) else "/"
+
+
+def test_a_job_without_cwd_runs_in_the_users_home_wherever_the_worker_started(fast_spool, tmp_path):
+    """A file dropped from a plain shell has no cwd: it runs in the home
+    directory of the user the worker runs as (from the password database,
+    not $HOME), not in whatever directory the worker was started in."""
+    s = fast_spool
+    ids = []
+    for i, start in enumerate((tmp_path, tmp_path / "spool" / "new", tmp_path)):
+        s.drop(f"plain-{i}.json", json.dumps({"argv": _PRINT_CWD}))
+        s.drop(f"shell-{i}.json", json.dumps({"command": "pwd -P"}))
+        s.drop(f"dot-{i}.json", json.dumps({"argv": _PRINT_CWD, "cwd": "."}))
+        ids += [f"plain-{i}", f"shell-{i}", f"dot-{i}"]
+        s.work(cwd=str(start), env={"HOME": str(tmp_path)})
+    for job_id in ids:
+        job = s.show(job_id)
+        assert (job["state"], os.path.realpath(job["stdout"].strip())) == ("done", _home()), job
