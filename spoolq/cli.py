@@ -7,6 +7,7 @@ Errors are one line on stderr.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -213,7 +214,8 @@ def enqueue(ctx, args, use_argv, kind, payload, job_json, jsonl, job_id, max_att
             fail("--id cannot apply to many jobs; put an id in each line", 2)
         jobs = [_cwd_here(fields) for fields in _read_jsonl(jsonl, options)]
         try:
-            ids = spool.enqueue_many(jobs)
+            with _creating(spool):
+                ids = spool.enqueue_many(jobs)
         except PartlyEnqueued as e:
             _print_ids(e.ids)  # these will run: a caller must not enqueue them again
             raise
@@ -244,7 +246,24 @@ def enqueue(ctx, args, use_argv, kind, payload, job_json, jsonl, job_id, max_att
             # meant for --json, whose typo would otherwise run as sh and fail.
             fail("the command looks like a JSON job object; give it with --json", 2)
         fields = {"command": args[0], **options}
-    _print_ids([spool.enqueue_job(_cwd_here(fields))])
+    with _creating(spool):
+        job_id = spool.enqueue_job(_cwd_here(fields))
+    _print_ids([job_id])
+
+
+@contextlib.contextmanager
+def _creating(spool: Spool):
+    """Enqueueing makes a missing spool; it says so, or a mistyped -s or
+    $SPOOLQ_DIR would go unnoticed until someone wonders why jobs never run."""
+    fresh = not spool.dir.exists()
+    try:
+        yield
+    finally:
+        if fresh and spool.dir.exists():
+            try:
+                echo(f"spoolq: created a new spool at {one_line(spool.path)}", err=True)
+            except OSError:
+                pass  # stderr gone: the job is in all the same
 
 
 def _cwd_here(fields: dict[str, Any]) -> dict[str, Any]:
@@ -335,6 +354,7 @@ def work(ctx, jobs, max_jobs, max_time, app, watch, poll, quiet, verbose):
     log = Log(sys.stderr, level=0 if quiet else 2 if verbose else 1)
     from .worker import Worker
 
+    output.require_spool(spool)  # a mistyped path must not become an empty spool that is watched forever
     spool._open(create=True)
     watch = watch or poll is not None
     if max_jobs is not None:
@@ -585,7 +605,7 @@ def config_group():
 @click.pass_context
 def config_list(ctx):
     """Every setting with its value."""
-    for key, value in _spool(ctx).config_list().items():
+    for key, value in _existing(ctx).config_list().items():
         echo(f"{key} = {json.dumps(value)}")
 
 
@@ -594,7 +614,7 @@ def config_list(ctx):
 @click.pass_context
 def config_get(ctx, key):
     """One setting's value."""
-    echo(json.dumps(_spool(ctx).config_get(key)))
+    echo(json.dumps(_existing(ctx).config_get(key)))
 
 
 @config_group.command(name="set", context_settings={"ignore_unknown_options": True})
@@ -603,7 +623,7 @@ def config_get(ctx, key):
 @click.pass_context
 def config_set(ctx, key, value):
     """Store a setting (validated)."""
-    stored = _spool(ctx).config_set(key, value)
+    stored = _existing(ctx).config_set(key, value)
     echo(f"{key} = {json.dumps(stored)}")
 
 

@@ -131,3 +131,63 @@ def test_a_job_without_cwd_runs_in_the_users_home_wherever_the_worker_started(fa
     for job_id in ids:
         job = s.show(job_id)
         assert (job["state"], os.path.realpath(job["stdout"].strip())) == ("done", _home()), job
+
+
+READERS = (["work"], ["work", "--watch", "--max-time", "1"], ["work", "-j", "2"], ["status"], ["status", "--prometheus"],
+           ["list"], ["show", "x"], ["show", "x", "--json"], ["sweep"], ["compact"], ["stats"],
+           ["purge", "--dead", "--older-than", "1d"], ["cancel", "x"], ["retry", "x"], ["retry", "--all"],
+           ["dlq", "list"], ["dlq", "retry", "x"], ["config", "list"], ["config", "get", "timeout"],
+           ["config", "set", "timeout", "5"])
+
+
+def test_commands_that_read_or_consume_refuse_a_path_that_is_not_a_spool(tmp_path):
+    """`spoolq work` in the wrong directory made an empty spool and exited 0,
+    so a cron line without SPOOLQ_DIR never ran a job and never said why."""
+    missing, empty = tmp_path / "missing", tmp_path / "empty dir"
+    empty.mkdir()
+    for path in (missing, empty):
+        expected = f"spoolq: {path} is not a spool (create one with: spoolq -s '{path}' init)\n".replace(
+            f"'{missing}'", str(missing))
+        for args in READERS:
+            for how in ("-s", "env") if args[0] in ("work", "show") else ("-s",):
+                if how == "-s":
+                    proc = SpoolFixture(path).run(*args, check=False)
+                else:  # SPOOLQ_DIR, and the quick path of `show`
+                    proc = subprocess.run(SPOOLQ + args, env=_env(SPOOLQ_DIR=str(path)), capture_output=True,
+                                          text=True, timeout=60)
+                assert (proc.returncode, proc.stderr, proc.stdout) == (1, expected, ""), (path, args, how)
+        assert not missing.exists() and os.listdir(empty) == []
+    cron_like = subprocess.run(SPOOLQ + ["work", "-q"], env=_env(), cwd=str(empty), capture_output=True, text=True)
+    assert cron_like.returncode == 1 and cron_like.stderr == (
+        f"spoolq: {empty / 'spool'} is not a spool (create one with: spoolq -s '{empty / 'spool'}' init)\n")
+
+
+def test_enqueue_creates_a_missing_spool_and_says_so(tmp_path):
+    s = SpoolFixture(tmp_path / "fresh")
+    proc = s.run("enqueue", "true")
+    assert proc.stderr == f"spoolq: created a new spool at {s.path}\n" and s.ids("new") == [proc.stdout.strip()]
+    again = s.run("enqueue", "true")
+    assert again.stderr == ""
+    s = SpoolFixture(tmp_path / "from-jsonl")
+    proc = s.run("enqueue", "--jsonl", "-", input='{"command": "true"}\n{"argv": ["true"]}\n')
+    assert proc.stderr == f"spoolq: created a new spool at {s.path}\n" and len(s.ids("new")) == 2
+    s = SpoolFixture(tmp_path / "from-json")
+    proc = s.run("enqueue", "--json", '{"command": "true"}')
+    assert proc.stderr == f"spoolq: created a new spool at {s.path}\n" and len(s.ids("new")) == 1
+
+
+def test_the_api_raises_not_a_spool_when_reading_and_creates_when_writing(tmp_path):
+    import pytest
+
+    from spoolq import Spool
+    from spoolq.protocol import NotASpool, SpoolError
+
+    for path in (tmp_path / "missing", tmp_path):
+        q = Spool(path)
+        for call in (q.status, lambda: q.get("x"), lambda: list(q.list()), q.stats, lambda: q.cancel("x")):
+            with pytest.raises(NotASpool, match="is not a spool \\(create one with: spoolq -s .* init\\)") as e:
+                call()
+            assert isinstance(e.value, SpoolError) and e.value.path == str(path)
+    q = Spool(tmp_path / "made")
+    q.enqueue(command="true")
+    assert q.status()["new"] == 1
