@@ -105,6 +105,27 @@ def cli(ctx: click.Context, spool_dir: str) -> None:
     ctx.obj = Spool(spool_dir)
 
 
+def _id_completer(*states: str):
+    """Shell completion of job ids: the names in these state folders of the
+    spool given by -s or $SPOOLQ_DIR. Only a directory listing (compacted
+    jobs are not offered), and nothing at all when there is no spool."""
+    def complete(ctx: click.Context, param: click.Parameter, incomplete: str) -> list[str]:
+        root = ctx.find_root().params.get("spool_dir") or os.environ.get("SPOOLQ_DIR") or "spool"
+        found = set()
+        for state in states:
+            try:
+                with os.scandir(os.path.join(root, state)) as entries:
+                    for entry in entries:
+                        name = entry.name[:-5] if entry.name.endswith(".json") else entry.name
+                        if name.startswith(incomplete) and not entry.name.startswith("."):
+                            found.add(name)
+            except OSError:
+                continue
+        return sorted(found)
+
+    return complete
+
+
 def _spool(ctx: click.Context) -> Spool:
     return ctx.find_root().obj
 
@@ -432,7 +453,7 @@ def list_(ctx, state, limit, since, as_json):
 
 
 @cli.command()
-@click.argument("job_id", metavar="ID")
+@click.argument("job_id", metavar="ID", shell_complete=_id_completer("new", "cur", "failed", "dead", "done"))
 @click.option("--json", "as_json", is_flag=True, help="Print the record as JSON.")
 @click.pass_context
 def show(ctx, job_id, as_json):
@@ -441,7 +462,7 @@ def show(ctx, job_id, as_json):
 
 
 @cli.command()
-@click.argument("job_id", metavar="ID")
+@click.argument("job_id", metavar="ID", shell_complete=_id_completer("new", "failed"))
 @click.pass_context
 def cancel(ctx, job_id):
     """Cancel a waiting job (new/ or failed/ -> done/, outcome cancelled)."""
@@ -465,7 +486,7 @@ def _note(message: str) -> None:
 
 
 @cli.command()
-@click.argument("job_ids", nargs=-1, metavar="ID...")
+@click.argument("job_ids", nargs=-1, metavar="ID...", shell_complete=_id_completer("dead"))
 @click.option("--all", "all_", is_flag=True, help="Every job in dead/.")
 @click.pass_context
 def retry(ctx, job_ids, all_):
@@ -518,7 +539,7 @@ def dlq_list(ctx, limit, as_json):
 
 
 @dlq.command(name="retry")
-@click.argument("job_ids", nargs=-1, metavar="ID...")
+@click.argument("job_ids", nargs=-1, metavar="ID...", shell_complete=_id_completer("dead"))
 @click.option("--all", "all_", is_flag=True, help="Every job in dead/.")
 @click.pass_context
 def dlq_retry(ctx, job_ids, all_):

@@ -191,3 +191,32 @@ def test_the_api_raises_not_a_spool_when_reading_and_creates_when_writing(tmp_pa
     q = Spool(tmp_path / "made")
     q.enqueue(command="true")
     assert q.status()["new"] == 1
+
+
+def _complete(words: str, cword: int, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(SPOOLQ, env=_env(_SPOOLQ_COMPLETE="bash_complete", COMP_WORDS=words, COMP_CWORD=str(cword), **env),
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_shell_completion_offers_the_job_ids_a_command_can_take(fast_spool, tmp_path):
+    s = fast_spool
+    for job_id in ("ab-waiting", "ab-broken", "ab-ran", "other"):
+        s.enqueue("--id", job_id, "--max-attempts", "1", "false" if job_id == "ab-broken" else "true")
+    s.work("--max-jobs", "2", check=False)  # ab-waiting and ab-broken run first (oldest)
+    s.drop(".hidden.json", '{"command": "true"}')
+    assert s.where("ab-broken") == ["dead"] and s.where("ab-waiting") == ["done"]
+    cases = [
+        (f"spoolq -s {s.path} show ab", 4, {}, ["ab-broken", "ab-ran", "ab-waiting"]),
+        ("spoolq show ab", 2, {"SPOOLQ_DIR": str(s.path)}, ["ab-broken", "ab-ran", "ab-waiting"]),
+        (f"spoolq -s {s.path} cancel ", 4, {}, ["ab-ran", "other"]),  # only waiting jobs can be cancelled
+        (f"spoolq -s {s.path} retry ab", 4, {}, ["ab-broken"]),  # only dead ones retried
+        (f"spoolq -s {s.path} retry ab-broken ab", 5, {}, ["ab-broken"]),
+        (f"spoolq -s {s.path} dlq retry a", 5, {}, ["ab-broken"]),
+    ]
+    for words, cword, env, expected in cases:
+        proc = _complete(words, cword, **env)
+        assert (proc.returncode, proc.stderr) == (0, ""), words
+        assert proc.stdout.splitlines() == [f"plain,{i}" for i in expected], words
+    for words, cword in ((f"spoolq -s {tmp_path / 'missing'} show a", 4), ("spoolq -s '' show a", 4)):
+        proc = _complete(words, cword)
+        assert (proc.returncode, proc.stdout.strip(), proc.stderr) == (0, "", ""), words
