@@ -220,3 +220,16 @@ def test_shell_completion_offers_the_job_ids_a_command_can_take(fast_spool, tmp_
     for words, cword in ((f"spoolq -s {tmp_path / 'missing'} show a", 4), ("spoolq -s '' show a", 4)):
         proc = _complete(words, cword)
         assert (proc.returncode, proc.stdout.strip(), proc.stderr) == (0, "", ""), words
+
+
+def test_spoolq_drop_records_the_directory_it_ran_in(fast_spool, tmp_path):
+    from conftest import ROOT
+
+    here = tmp_path / 'odd "dir"\\ name'
+    here.mkdir()
+    proc = subprocess.run([str(ROOT / "contrib" / "spoolq-drop"), "-s", str(fast_spool.path), "pwd", "-P"],
+                          cwd=str(here), capture_output=True, text=True, check=True)
+    job_id = proc.stdout.strip()
+    assert fast_spool.record("new", job_id)["cwd"] == str(here)
+    fast_spool.work(cwd=str(tmp_path))
+    assert fast_spool.show(job_id)["stdout"] == f"{here}\n"
