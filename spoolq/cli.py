@@ -152,7 +152,7 @@ def init(ctx, group):
 # Everything from the first command word on is the command's own, options
 # included (`spoolq enqueue ls -l`), as with nq, tsp and env.
 @cli.command(context_settings={"ignore_unknown_options": False, "allow_interspersed_args": False})
-@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED, metavar="[COMMAND | PROG ARG...]")
 @click.option("--argv", "use_argv", is_flag=True, help="Run ARGS as PROG ARG..., even a single one (no shell).")
 @click.option("--kind", help="A Python handler job of this kind.")
 @click.option("--payload", help="JSON handed to the handler, or to the process on stdin.")
@@ -198,6 +198,8 @@ def enqueue(ctx, args, use_argv, kind, payload, job_json, jsonl, job_id, max_att
             job_json, args = args[0], ()
     if len(args) > 1 and not use_argv and job_json is None and kind is None and jsonl is None:
         use_argv = True  # `spoolq enqueue make report`: a program and its arguments
+        if args[0].lstrip().startswith('{"'):
+            fail("the command looks like a JSON job object; give it with --json", 2)
     forms = [bool(args) and not use_argv, use_argv, kind is not None, job_json is not None, jsonl is not None]
     if sum(forms) != 1:
         fail("give exactly one of: a command (a shell command, or PROG ARG...), --kind K, --json JSON, --jsonl FILE", 2)

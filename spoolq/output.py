@@ -94,15 +94,13 @@ def fail_for(error: BaseException) -> NoReturn:
 
 def require_spool(spool) -> None:
     """Exit 1 with a hint when the path holds no spool."""
-    from .protocol import refuse_non_directory
+    from .protocol import NotASpool, refuse_non_directory
 
     if spool.dir.exists():
         return
     refuse_non_directory(spool.path)
     if os.path.isdir(spool.path) and not os.access(spool.path, os.R_OK | os.X_OK):
         fail(f"permission denied: {spool.path} (a shared spool: is this user in its group?)", 1)
-    from .protocol import NotASpool
-
     fail(str(NotASpool(spool.path)), 1)  # missing, or a directory without the layout
 
 

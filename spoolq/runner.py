@@ -209,7 +209,7 @@ def _spawn(argv: list[str], env: dict[str, str], cwd: str | None, fds: tuple[int
     set-up) is ~0.1 ms cheaper per job here, but it keeps the GIL until the
     child has exec'd, so with other threads running jobs (``threaded``)
     Popen, which lets the GIL go, is faster. Popen is also the way for a
-    ``cwd``, which os.posix_spawn cannot set, and for closing a descriptor
+    ``cwd`` other than the worker's own, which os.posix_spawn cannot set, and for closing a descriptor
     at or above the soft open-file limit (inherited from a parent with a
     higher one), which the C library refuses to put in a close action."""
     def popen() -> subprocess.Popen:

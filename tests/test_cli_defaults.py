@@ -43,6 +43,8 @@ def test_several_words_are_an_argv_job_and_one_is_a_shell_command(fast_spool, tm
     s.work(check=False)
     assert s.show(several)["stdout"] == "a b|-l|" and s.show(several)["state"] == "done"
     assert s.show(one)["stdout"] == "one\ntwo\n"
+    proc = s.run("enqueue", '{"command": "true"}', "x", check=False)
+    assert (proc.returncode, proc.stderr) == (2, "spoolq: the command looks like a JSON job object; give it with --json\n")
     proc = s.run("enqueue", "--kind", "k", "a", "b", check=False)
     assert (proc.returncode, proc.stderr) == (2, "spoolq: give exactly one of: a command (a shell command, or PROG ARG...), "
                                                  "--kind K, --json JSON, --jsonl FILE\n")
