@@ -7,8 +7,10 @@ Errors are one line on stderr.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import sys
 import time
 from typing import Any
@@ -98,13 +100,36 @@ class SpoolGroup(click.Group):
 
 
 @click.group(cls=SpoolGroup, context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("-s", "--spool", "spool_dir", envvar="SPOOLQ_DIR", default="spool", show_default=True, callback=_spool_dir,
+# The default shown by --help is the spool in use: $SPOOLQ_DIR when set.
+@click.option("-s", "--spool", "spool_dir", envvar="SPOOLQ_DIR", default=os.environ.get("SPOOLQ_DIR") or "spool",
+              show_default=True, callback=_spool_dir,
               help="The spool directory (else $SPOOLQ_DIR, else ./spool).")
 @click.version_option(package_name="spoolq")
 @click.pass_context
 def cli(ctx: click.Context, spool_dir: str) -> None:
     """A background job queue that is nothing but a directory."""
     ctx.obj = Spool(spool_dir)
+
+
+def _id_completer(*states: str):
+    """Shell completion of job ids: the names in these state folders of the
+    spool given by -s or $SPOOLQ_DIR. Only a directory listing (compacted
+    jobs are not offered), and nothing at all when there is no spool."""
+    def complete(ctx: click.Context, param: click.Parameter, incomplete: str) -> list[str]:
+        root = ctx.find_root().params.get("spool_dir") or os.environ.get("SPOOLQ_DIR") or "spool"
+        found = set()
+        for state in states:
+            try:
+                with os.scandir(os.path.join(root, state)) as entries:
+                    for entry in entries:
+                        name = entry.name[:-5] if entry.name.endswith(".json") else entry.name
+                        if name.startswith(incomplete) and not entry.name.startswith("."):
+                            found.add(name)
+            except OSError:
+                continue
+        return sorted(found)
+
+    return complete
 
 
 def _spool(ctx: click.Context) -> Spool:
@@ -130,9 +155,11 @@ def init(ctx, group):
     echo(spool.path)
 
 
-@cli.command(context_settings={"ignore_unknown_options": False})
-@click.argument("args", nargs=-1)
-@click.option("--argv", "use_argv", is_flag=True, help="Run ARGS directly as PROG ARG... (put them after --).")
+# Everything from the first command word on is the command's own, options
+# included (`spoolq enqueue ls -l`), as with nq, tsp and env.
+@cli.command(context_settings={"ignore_unknown_options": False, "allow_interspersed_args": False})
+@click.argument("args", nargs=-1, type=click.UNPROCESSED, metavar="[COMMAND | PROG ARG...]")
+@click.option("--argv", "use_argv", is_flag=True, help="Run ARGS as PROG ARG..., even a single one (no shell).")
 @click.option("--kind", help="A Python handler job of this kind.")
 @click.option("--payload", help="JSON handed to the handler, or to the process on stdin.")
 @click.option("--json", "job_json", metavar="JSON", help="A whole job object ('-' reads stdin).")
@@ -143,14 +170,18 @@ def init(ctx, group):
 @click.option("--in", "delay", callback=_duration, metavar="DURATION", help="Run after this delay (90, 5m, 2h, 7d).")
 @click.option("--at", "at", metavar="TIME", help="Run at this time (RFC 3339 or epoch seconds).")
 @click.option("--env", "env", multiple=True, metavar="K=V", help="Add to the job's environment (repeatable).")
-@click.option("--cwd", help="Working directory of the run.")
+@click.option("--cwd", metavar="DIR", help="Working directory of the run (default: the current directory).")
 @click.pass_context
 def enqueue(ctx, args, use_argv, kind, payload, job_json, jsonl, job_id, max_attempts, timeout, delay, at, env, cwd):
     """Enqueue a job and print its id.
 
+    One argument is a shell command (run by /bin/sh); several are a
+    program and its arguments, run directly. Options go before them.
+
     \b
-      spoolq enqueue 'make report'
-      spoolq enqueue --argv -- convert in.png out.jpg
+      spoolq enqueue 'make report > report.log'
+      spoolq enqueue convert in.png out.jpg
+      spoolq enqueue --argv ./build.sh
       spoolq enqueue --kind send_email --payload '{"to": "a@example.com"}'
       spoolq enqueue --json '{"command": "true", "max_attempts": 3}'
       spoolq enqueue '{"command": "true"}'     (one JSON object: the same as --json)
@@ -171,9 +202,13 @@ def enqueue(ctx, args, use_argv, kind, payload, job_json, jsonl, job_id, max_att
             # JSON, but too deep or an integer too long for Python to hold:
             # refused as --json refuses it, never run by sh.
             job_json, args = args[0], ()
+    if len(args) > 1 and not use_argv and job_json is None and kind is None and jsonl is None:
+        use_argv = True  # `spoolq enqueue make report`: a program and its arguments
+        if args[0].lstrip().startswith('{"'):
+            fail("the command looks like a JSON job object; give it with --json", 2)
     forms = [bool(args) and not use_argv, use_argv, kind is not None, job_json is not None, jsonl is not None]
     if sum(forms) != 1:
-        fail("give exactly one of: a shell command, --argv -- PROG ARG..., --kind K, --json JSON, --jsonl FILE", 2)
+        fail("give exactly one of: a command (a shell command, or PROG ARG...), --kind K, --json JSON, --jsonl FILE", 2)
     if delay is not None and at is not None:
         fail("give --in or --at, not both", 2)
     options: dict[str, Any] = {}
@@ -212,9 +247,10 @@ def enqueue(ctx, args, use_argv, kind, payload, job_json, jsonl, job_id, max_att
     if jsonl is not None:
         if job_id is not None:
             fail("--id cannot apply to many jobs; put an id in each line", 2)
-        jobs = list(_read_jsonl(jsonl, options))
+        jobs = [_cwd_here(fields) for fields in _read_jsonl(jsonl, options)]
         try:
-            ids = spool.enqueue_many(jobs)
+            with _creating(spool):
+                ids = spool.enqueue_many(jobs)
         except PartlyEnqueued as e:
             _print_ids(e.ids)  # these will run: a caller must not enqueue them again
             raise
@@ -233,21 +269,49 @@ def enqueue(ctx, args, use_argv, kind, payload, job_json, jsonl, job_id, max_att
         fields.update(options)
     elif use_argv:
         if not args:
-            fail("--argv needs PROG [ARG...] after --", 2)
+            fail("--argv needs PROG [ARG...]", 2)
         fields = {"argv": list(args), **options}
     elif kind is not None:
         if args:
             fail("--kind takes no command arguments (use --payload)", 2)
         fields = {"kind": kind, **options}
     else:
-        if len(args) != 1:
-            fail("give the shell command as one quoted argument, or use --argv -- PROG ARG...", 2)
         if args[0].lstrip().startswith('{"'):
             # No shell command starts so (a group is "{ cmd; }"): a job object
             # meant for --json, whose typo would otherwise run as sh and fail.
             fail("the command looks like a JSON job object; give it with --json", 2)
         fields = {"command": args[0], **options}
-    _print_ids([spool.enqueue_job(fields)])
+    with _creating(spool):
+        job_id = spool.enqueue_job(_cwd_here(fields))
+    _print_ids([job_id])
+
+
+@contextlib.contextmanager
+def _creating(spool: Spool):
+    """Enqueueing makes a missing spool; it says so, or a mistyped -s or
+    $SPOOLQ_DIR would go unnoticed until someone wonders why jobs never run."""
+    fresh = not spool.dir.exists()
+    try:
+        yield
+    finally:
+        if fresh and spool.dir.exists():
+            try:
+                echo(f"spoolq: created a new spool at {one_line(spool.path)}", err=True)
+            except OSError:
+                pass  # stderr gone: the job is in all the same
+
+
+def _cwd_here(fields: dict[str, Any]) -> dict[str, Any]:
+    """A command or argv job runs in the directory it was enqueued from
+    unless it names one, as with at, nq and tsp (a handler runs in the
+    worker and has no use for one). A relative cwd is made absolute by
+    ``Spool``, against this same directory."""
+    if fields.get("cwd") is None and fields.get("kind") is None:
+        try:
+            fields["cwd"] = os.getcwd()
+        except OSError as e:
+            fail(f"cannot read the current directory to run the job in: {e.strerror} (give --cwd DIR)", 1)
+    return fields
 
 
 def _print_ids(ids: list[str]) -> None:
@@ -325,6 +389,7 @@ def work(ctx, jobs, max_jobs, max_time, app, watch, poll, quiet, verbose):
     log = Log(sys.stderr, level=0 if quiet else 2 if verbose else 1)
     from .worker import Worker
 
+    output.require_spool(spool)  # a mistyped path must not become an empty spool that is watched forever
     spool._open(create=True)
     watch = watch or poll is not None
     if max_jobs is not None:
@@ -412,7 +477,7 @@ def list_(ctx, state, limit, since, as_json):
 
 
 @cli.command()
-@click.argument("job_id", metavar="ID")
+@click.argument("job_id", metavar="ID", shell_complete=_id_completer("new", "cur", "failed", "dead", "done"))
 @click.option("--json", "as_json", is_flag=True, help="Print the record as JSON.")
 @click.pass_context
 def show(ctx, job_id, as_json):
@@ -421,7 +486,7 @@ def show(ctx, job_id, as_json):
 
 
 @cli.command()
-@click.argument("job_id", metavar="ID")
+@click.argument("job_id", metavar="ID", shell_complete=_id_completer("new", "failed"))
 @click.pass_context
 def cancel(ctx, job_id):
     """Cancel a waiting job (new/ or failed/ -> done/, outcome cancelled)."""
@@ -445,7 +510,7 @@ def _note(message: str) -> None:
 
 
 @cli.command()
-@click.argument("job_ids", nargs=-1, metavar="ID...")
+@click.argument("job_ids", nargs=-1, metavar="ID...", shell_complete=_id_completer("dead"))
 @click.option("--all", "all_", is_flag=True, help="Every job in dead/.")
 @click.pass_context
 def retry(ctx, job_ids, all_):
@@ -500,7 +565,7 @@ def dlq_list(ctx, limit, as_json):
 
 
 @dlq.command(name="retry")
-@click.argument("job_ids", nargs=-1, metavar="ID...")
+@click.argument("job_ids", nargs=-1, metavar="ID...", shell_complete=_id_completer("dead"))
 @click.option("--all", "all_", is_flag=True, help="Every job in dead/.")
 @click.pass_context
 def dlq_retry(ctx, job_ids, all_):
@@ -593,7 +658,7 @@ def config_group():
 @click.pass_context
 def config_list(ctx):
     """Every setting with its value."""
-    for key, value in _spool(ctx).config_list().items():
+    for key, value in _existing(ctx).config_list().items():
         echo(f"{key} = {json.dumps(value)}")
 
 
@@ -602,7 +667,7 @@ def config_list(ctx):
 @click.pass_context
 def config_get(ctx, key):
     """One setting's value."""
-    echo(json.dumps(_spool(ctx).config_get(key)))
+    echo(json.dumps(_existing(ctx).config_get(key)))
 
 
 @config_group.command(name="set", context_settings={"ignore_unknown_options": True})
@@ -611,7 +676,7 @@ def config_get(ctx, key):
 @click.pass_context
 def config_set(ctx, key, value):
     """Store a setting (validated)."""
-    stored = _spool(ctx).config_set(key, value)
+    stored = _existing(ctx).config_set(key, value)
     echo(f"{key} = {json.dumps(stored)}")
 
 

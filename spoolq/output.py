@@ -109,20 +109,19 @@ def _blocked_by(path: str) -> str | None:
 
 
 def require_spool(spool) -> None:
-    """Exit 1 with a hint when the spool directory does not exist."""
-    from .protocol import refuse_non_directory
+    """Exit 1 with a hint when the path holds no spool."""
+    from .protocol import NotASpool, refuse_non_directory
 
     if spool.dir.exists():
         return
     refuse_non_directory(spool.path)
     if os.path.isdir(spool.path) and not os.access(spool.path, os.R_OK | os.X_OK):
         fail(f"permission denied: {spool.path} (a shared spool: is this user in its group?)", 1)
-    if os.path.isdir(spool.path):
-        fail(f"{spool.path} is not a spool (no new/ folder); run 'spoolq init'", 1)
-    blocked = _blocked_by(spool.path)
-    if blocked:
-        fail(f"permission denied: {blocked} (so the spool {spool.path} cannot be reached)", 1)
-    fail(f"no spool at {spool.path} (create it with 'spoolq init' or enqueue a job)", 1)
+    if not os.path.isdir(spool.path):
+        blocked = _blocked_by(spool.path)
+        if blocked:
+            fail(f"permission denied: {blocked} (so the spool {spool.path} cannot be reached)", 1)
+    fail(str(NotASpool(spool.path)), 1)  # missing, or a directory without the layout
 
 
 def refuse_bad_ids(job_ids) -> None:

@@ -62,6 +62,18 @@ class SpoolError(Exception):
     """A problem with the spool itself (layout, permissions, filesystem)."""
 
 
+class NotASpool(SpoolError):
+    """The path holds no spool: missing, or a directory without the layout.
+    Reading a spool never creates one, so a mistyped path is said, not
+    turned into an empty spool."""
+
+    def __init__(self, path: str):
+        import shlex
+
+        super().__init__(f"{path} is not a spool (create one with: spoolq -s {shlex.quote(path)} init)")
+        self.path = path
+
+
 class Busy(Exception):
     """The file is locked by someone else."""
 
@@ -419,6 +431,8 @@ class SpoolDir:
                             fds[folder] = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
                         elif folder == "workers":
                             continue
+                        elif not self.exists():
+                            raise NotASpool(self.root) from None
                         else:
                             raise SpoolError(f"{self.root} is not a spool (no {folder}/); run 'spoolq init'") from None
                     except NotADirectoryError:

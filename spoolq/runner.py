@@ -170,7 +170,35 @@ class _Spawned:
 
 
 _devnull_fd: int | None = None
+_home: str | None = None
 _DEFAULT_SIGNALS = tuple(getattr(signal, name) for name in ("SIGPIPE", "SIGXFSZ") if hasattr(signal, name))
+
+
+def default_cwd() -> str:
+    """Where a command or argv job without a ``cwd`` runs (and what a
+    relative one is taken from): the home directory of the user the worker
+    runs as, from the password database rather than $HOME (which cron,
+    systemd and su each set their own way), or / when it has none. Never the
+    directory the worker happened to be started in."""
+    global _home
+    if _home is None:
+        import pwd
+
+        try:
+            home = pwd.getpwuid(os.geteuid()).pw_dir
+        except KeyError:
+            home = ""
+        _home = home if home and os.path.isdir(home) else "/"
+    return _home
+
+
+def _in_place(cwd: str) -> bool:
+    """Whether ``cwd`` is the worker's own directory, so posix_spawn (which
+    cannot change directory) may start the job."""
+    try:
+        return cwd == os.getcwd()
+    except OSError:
+        return False
 
 
 def _spawn(argv: list[str], env: dict[str, str], cwd: str | None, fds: tuple[int, int, int],
@@ -181,13 +209,15 @@ def _spawn(argv: list[str], env: dict[str, str], cwd: str | None, fds: tuple[int
     set-up) is ~0.1 ms cheaper per job here, but it keeps the GIL until the
     child has exec'd, so with other threads running jobs (``threaded``)
     Popen, which lets the GIL go, is faster. Popen is also the way for a
-    ``cwd``, which os.posix_spawn cannot set, and for closing a descriptor
+    ``cwd`` other than the worker's own, which os.posix_spawn cannot set, and for closing a descriptor
     at or above the soft open-file limit (inherited from a parent with a
     higher one), which the C library refuses to put in a close action."""
     def popen() -> subprocess.Popen:
         return subprocess.Popen(argv, stdin=fds[0], stdout=fds[1], stderr=fds[2], cwd=cwd, env=env,
                                 start_new_session=True, close_fds=True)
 
+    if cwd is not None and _in_place(cwd):
+        cwd = None
     if cwd is not None or threaded or (close and max(close) >= procs.open_file_limit()):
         return popen()
     actions = [(os.POSIX_SPAWN_DUP2, fds[0], 0), (os.POSIX_SPAWN_DUP2, fds[1], 1), (os.POSIX_SPAWN_DUP2, fds[2], 2)]
@@ -400,7 +430,8 @@ def run_process(
     if job.get("argv") is not None:
         argv = list(job["argv"])
     else:
-        argv = ["/bin/sh", "-c", job["command"]]
+        # "--": a command starting with "-" is the command, not options to sh.
+        argv = ["/bin/sh", "-c", "--", job["command"]]
     stdin_fd = None
     stdout_fd, stderr_fd = outputs if outputs is not None else make_outputs()
     started_up = False
@@ -417,7 +448,8 @@ def run_process(
         before = procs.boot_ticks()
         try:
             stdin = stdin_fd if stdin_fd is not None else _stdin_devnull()
-            proc = _spawn(argv, env, job.get("cwd"), (stdin, stdout_fd, stderr_fd),
+            cwd = os.path.join(default_cwd(), job["cwd"]) if job.get("cwd") else default_cwd()
+            proc = _spawn(argv, env, cwd, (stdin, stdout_fd, stderr_fd),
                           inheritable_fds() if close is None else close, threaded)
             started = time.monotonic()  # the timeout counts from here, not from after on_spawn
         except OSError as e:

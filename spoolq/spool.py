@@ -126,6 +126,10 @@ class Spool:
             problem = id_problem(job_id)
             if problem:
                 raise InvalidJob(problem)
+        cwd = fields.get("cwd")
+        if isinstance(cwd, str) and cwd and not os.path.isabs(cwd):
+            # Relative to the enqueuer's directory: a worker runs elsewhere.
+            fields["cwd"] = os.path.abspath(cwd)
         run_at = fields.get("run_at")
         mtime_ns = None
         if run_at is not None:
@@ -172,8 +176,10 @@ class Spool:
 
         Exactly one of ``command`` (run by /bin/sh -c), ``argv`` (run directly)
         or ``kind`` (a Python handler) is required. ``run_at`` (epoch seconds,
-        an RFC 3339 string or a datetime) delays it. Raises InvalidJob for a
-        bad job and DuplicateId for an id already in the spool.
+        an RFC 3339 string or a datetime) delays it. A relative ``cwd`` is
+        made absolute here; without one the job runs in its user's home
+        directory. Raises InvalidJob for a bad job and DuplicateId for an id
+        already in the spool.
         """
         fields = dict(extra)
         fields.update(

@@ -148,7 +148,7 @@ def test_duplicate_id_is_refused_in_any_state(spool):
 def test_usage_errors_exit_2_with_one_line(spool):
     cases = [
         ["enqueue"],
-        ["enqueue", "a", "b"],
+        ["enqueue", "--kind", "k", "a", "b"],
         ["enqueue", "--kind", "k", "--json", "{}"],
         ["enqueue", "--json", "[1]"],
         ["enqueue", "--json", "{nope"],
@@ -203,7 +203,7 @@ def test_commands_on_a_missing_spool_say_so(tmp_path):
     s = SpoolFixture(tmp_path / "missing")
     for args in (["status"], ["list"], ["show", "x"], ["sweep"]):
         proc = s.run(*args, check=False)
-        assert proc.returncode == 1 and "no spool" in proc.stderr, args
+        assert proc.returncode == 1 and "is not a spool (create one with: spoolq -s" in proc.stderr, args
 
 
 def test_a_spool_path_that_is_a_file_or_not_a_spool_says_which(tmp_path):
@@ -222,7 +222,7 @@ def test_a_spool_path_that_is_a_file_or_not_a_spool_says_which(tmp_path):
     os.rmdir(s.path / "new")
     for args in (["status"], ["list"]):
         proc = s.run(*args, check=False)
-        assert proc.returncode == 1 and "is not a spool (no new/ folder); run 'spoolq init'" in proc.stderr, args
+        assert proc.returncode == 1 and "is not a spool (create one with: spoolq -s" in proc.stderr, args
 
 
 def test_enqueue_says_the_job_is_in_when_stdout_cannot_take_its_id(spool):

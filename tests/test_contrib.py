@@ -79,10 +79,15 @@ def test_the_crontab_line_runs_jobs(fast_spool, tmp_path):
     command[spoolq_at:spoolq_at + 1] = SPOOLQ
     done = tmp_path / "done"
     job_id = fast_spool.enqueue(f"touch {done}")
-    env = dict(os.environ, SPOOLQ_DIR=str(fast_spool.path))
-    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
+    fast_spool.drop("dropped.json", '{"command": "pwd -P"}')  # no cwd: the crontab's user's home, as its comment says
+    env = dict(os.environ, SPOOLQ_DIR=str(fast_spool.path), HOME=str(tmp_path))
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60, cwd=str(tmp_path))
     assert proc.returncode == 0 and proc.stdout == "" and proc.stderr == ""  # cron mails nothing
     assert done.exists() and fast_spool.where(job_id) == ["done"]
+    import pwd
+
+    home = pwd.getpwuid(os.geteuid()).pw_dir
+    assert fast_spool.show("dropped")["stdout"] == os.path.realpath(home if os.path.isdir(home) else "/") + "\n"
 
 
 @pytest.mark.parametrize("script, args", [("big-folder.py", ["300"]), ("lean-drain.py", ["300", "1"])])

@@ -636,6 +636,7 @@ def test_a_user_without_access_is_told_permission_denied(tmp_path):
         own = os.path.join(base, "own")
         os.mkdir(own)
         os.chown(own, nobody.pw_uid, nobody.pw_gid)
+        subprocess.run(as_nobody + SPOOLQ + ["-s", own, "init"], check=True, capture_output=True)  # work makes none
         worker = subprocess.Popen(as_nobody + SPOOLQ + ["-s", own, "work", "--watch"], stderr=subprocess.PIPE, text=True)
         try:
             wait_for(lambda: os.path.isdir(os.path.join(own, "workers")) and os.listdir(os.path.join(own, "workers")),
