@@ -554,7 +554,8 @@ def test_handler_output_of_worker_processes_is_flushed_once(fast_spool, tmp_path
     proc = subprocess.run(SPOOLQ + ["-s", str(s.path), "work", "-j", "2", "--app", "printing_app:HANDLERS"],
                           cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert sorted(proc.stdout.splitlines()) == ["imported", "job 0", "job 1", "job 2", "job 3"], proc.stdout
+    assert proc.stdout.splitlines() == ["imported"], proc.stdout  # what the handlers print is their jobs'
+    assert sorted(s.show(i)["stdout"] for i in s.ids("done")) == [f"job {i}\n" for i in range(4)]
 
 
 def test_a_process_a_handler_forks_does_not_go_on_as_a_second_worker(fast_spool, tmp_path):
@@ -613,6 +614,48 @@ def test_a_forked_child_that_exits_from_a_handler_keeps_its_status_and_output(fa
     proc = s.run("work", "--app", "exitapp:HANDLERS", cwd=str(tmp_path))
     assert status.read_text().split() == ["0", "3"]
     assert proc.stdout.count("printed by the child") == 2
+
+
+@pytest.mark.parametrize("processes", ["1", "2"])
+def test_what_a_handler_prints_is_its_jobs_output_not_the_workers(fast_spool, tmp_path, processes):
+    """A handler's print() and writes to sys.stderr land in its job's
+    stdout and stderr tails, as a command's output does, whether it runs in
+    the worker or forked (a timeout), and not in the worker's own output
+    (cron's mail); the tails keep to output_limit."""
+    s = fast_spool
+    s.config("output_limit", 100)
+    (tmp_path / "talkapp.py").write_text(
+        "import sys\n"
+        "def say(payload):\n"
+        "    print('said', payload)\n"
+        "    print('warned', payload, file=sys.stderr)\n"
+        "    sys.stdout.write('no newline')\n"
+        "    return payload\n"
+        "def fail(payload):\n"
+        "    print('before failing', payload)\n"
+        "    raise ValueError('bad payload')\n"
+        "def flood(payload):\n"
+        "    for i in range(20000):\n"
+        "        print(i)\n"
+        "    print('end', payload)\n"
+        "HANDLERS = {'say': say, 'fail': fail, 'flood': flood}\n")
+    jobs = {}
+    for where, options in (("inline", []), ("forked", ["--timeout", "60"])):
+        for kind in ("say", "fail", "flood"):
+            jobs[where, kind] = s.enqueue("--kind", kind, "--payload", f'"{where}"', "--max-attempts", "1", *options)
+    proc = s.run("work", "-j", processes, "--app", "talkapp:HANDLERS", cwd=str(tmp_path))
+    for where in ("inline", "forked"):
+        said = s.show(jobs[where, "say"])
+        assert said["state"] == "done" and said["result"] == where, said
+        assert said["stdout"] == f"said {where}\nno newline" and said["stderr"] == f"warned {where}\n", said
+        failed = s.show(jobs[where, "fail"])
+        assert failed["state"] == "dead" and failed["stdout"] == f"before failing {where}\n", failed
+        assert failed["stderr"].endswith("ValueError: bad payload\n"), failed
+        flooded = s.show(jobs[where, "flood"])
+        assert flooded["stdout"].endswith(f"19999\nend {where}\n") and len(flooded["stdout"].encode()) == 100, flooded
+    assert proc.stdout == ""
+    for text in ("said", "warned", "before failing", "19999"):
+        assert text not in proc.stderr, proc.stderr
 
 
 def test_a_stop_while_the_worker_processes_start_ends_cleanly(fast_spool):
