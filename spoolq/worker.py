@@ -14,7 +14,10 @@ job or the periodic rescan wakes it.
 
 Signals (when run from the main thread): the first SIGTERM or SIGINT stops
 claiming and lets running jobs finish; a second kills them (they go back to
-failed/, due now, the run counted). SIGHUP rereads config.json.
+failed/, due now, the run counted). SIGHUP rereads config.json. SIGUSR1 and
+SIGUSR2 mean something only to a worker process of a pool (see pool.py);
+any other worker ignores them (if they were at their default, which would
+end the process and leave its registration and jobs behind).
 """
 
 from __future__ import annotations
@@ -65,6 +68,8 @@ COMPACT_CHECK_SECONDS = 60.0  # ... or this long
 READ_AHEAD = 256  # a pass whose files went cold is read ahead by up to this many files ...
 PROBE_CLAIMS = 64  # ... once an eighth of this many claims in a row waited for the disk
 RELAYED_SIGNALS = procs.RELAYED_SIGNALS  # stop, stop now: from the parent of a worker pool
+STOPPING = "no new jobs; running jobs finish (a second SIGTERM or SIGINT kills them)"
+STOPPING_NOW = "running jobs are killed and go back to failed/"
 
 
 class ForcedStop(BaseException):
@@ -315,8 +320,22 @@ class Worker:
         if signum == signal.SIGHUP:
             self.reload()
             return
-        if signum in RELAYED_SIGNALS:  # (handled only in a worker pool's process)
+        name = signal.Signals(signum).name
+        # The stop lines name the signal the user sent: the pool's parent
+        # says it for all its workers (see pool.py), so what one of them is
+        # passed on is told only in verbose logs.
+        verbosity, stopping = 1, STOPPING
+        if signum in RELAYED_SIGNALS:
+            if not self.relayed:
+                self.log.line(f"worker={self._wid} signal={name} ignored: this worker stops on SIGTERM or SIGINT", 0)
+                return
             level = 1 if signum == signal.SIGUSR1 else 2
+            verbosity = 2
+            if level == 1 and os.getppid() != self._pool_parent:
+                name, verbosity = "the exit of its pool's parent process", 1
+                stopping = stopping.replace("a second", "a")
+            else:
+                name = f"{name} passed on by the pool"
         elif self.relayed and os.getppid() == self._pool_parent:
             return  # the parent passes it on
         else:
@@ -329,10 +348,10 @@ class Worker:
         self._stop_signals = level
         if level == 1:
             self.stop()
-            self.log.line(f"worker={self._wid} signal={signal.Signals(signum).name} stopping: no more claims, running jobs finish", 1)
+            self.log.line(f"worker={self._wid} stopping on {name}: {stopping}", verbosity)
             return
         self.stop(force=True)
-        self.log.line(f"worker={self._wid} signal={signal.Signals(signum).name} stopping now: running jobs are killed and go back to failed/", 0)
+        self.log.line(f"worker={self._wid} stopping now on {name}: {STOPPING_NOW}", 0 if verbosity == 1 else verbosity)
         handle = self._running.get(threading.main_thread().ident)
         if handle is not None and handle.inline:
             raise ForcedStop()
@@ -372,8 +391,9 @@ class Worker:
         self.registration.start_flusher()
         old_handlers = {}
         if self.signals and threading.current_thread() is threading.main_thread():
-            for sig in procs.DIRECT_SIGNALS + (RELAYED_SIGNALS if self.relayed else ()):
-                old_handlers[sig] = signal.signal(sig, self._on_signal)
+            for sig in procs.DIRECT_SIGNALS + RELAYED_SIGNALS:
+                if self.relayed or sig not in RELAYED_SIGNALS or signal.getsignal(sig) == signal.SIG_DFL:
+                    old_handlers[sig] = signal.signal(sig, self._on_signal)
         threads: list[threading.Thread] = []
         try:
             if self.max_time is not None:
