@@ -310,7 +310,8 @@ def work(ctx, jobs, max_jobs, max_time, app, watch, poll, quiet, verbose):
             handlers = load_app(app)
         except ValueError as e:
             fail(str(e), 2)
-    log = Log(sys.stderr, level=0 if quiet else 2 if verbose else 1)
+    output.log_to_stderr()
+    log = Log(level=0 if quiet else 2 if verbose else 1)
     from .worker import Worker
 
     spool._open(create=True)

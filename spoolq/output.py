@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import sys
 from typing import Any, NoReturn
+
+LOGGER = "spoolq"  # the logger whose records the worker's log lines are
 
 
 def echo(text: str = "", err: bool = False, nl: bool = True) -> None:
@@ -137,3 +140,71 @@ def show(spool, job_id: str, as_json: bool) -> None:
                 echo("  - " + " ".join(f"{k}={v}" for k, v in h.items()) if isinstance(h, dict) else f"  - {h}")
         else:
             echo(f"{key}: {value if isinstance(value, str) else dumps(value)}")
+
+
+def syslog_priority(levelno: int) -> int:
+    """The syslog priority of a logging level, as sd-daemon(3) prefixes a
+    line with it: 3 err, 4 warning, 6 info, 7 debug."""
+    if levelno >= logging.ERROR:
+        return 3
+    if levelno >= logging.WARNING:
+        return 4
+    return 6 if levelno >= logging.INFO else 7
+
+
+def under_journal(stream: Any) -> bool:
+    """Whether ``stream`` is connected to systemd's journal: $JOURNAL_STREAM
+    gives the device and inode of the journal's stream, and a process run
+    by a service inherits the variable even when its stderr goes elsewhere
+    (``2>>file``), so the descriptor is checked against it."""
+    value = os.environ.get("JOURNAL_STREAM")
+    if not value:
+        return False
+    try:
+        dev, ino = (int(part) for part in value.split(":"))
+        st = os.fstat(stream.fileno())
+    except (ValueError, OSError, AttributeError):
+        return False
+    return (st.st_dev, st.st_ino) == (dev, ino)
+
+
+class LineHandler(logging.Handler):
+    """Prints spoolq's log records as ``spoolq work`` does: a line each,
+    ``TIME text`` (TIME in RFC 3339, UTC, milliseconds); under systemd's
+    journal, which stamps lines itself, ``<PRIORITY>text`` instead, so that
+    ``journalctl -p err`` finds dead jobs and errors. The stream is fixed
+    when the handler is made: while in-process handlers run, sys.stderr
+    is theirs (see runner.call_handler)."""
+
+    def __init__(self, stream: Any = None):
+        super().__init__()
+        self.stream = sys.stderr if stream is None else stream  # None: started with stderr closed
+        self.journal = self.stream is not None and under_journal(self.stream)
+
+    def write(self, text: str, levelno: int, created: float | None = None) -> None:
+        if self.stream is None:
+            return
+        if self.journal:
+            line = f"<{syslog_priority(levelno)}>{text}\n"
+        else:
+            from .record import rfc3339
+
+            line = f"{rfc3339(created)[:23]}Z {text}\n"
+        with self.lock:  # re-entrant: a signal handler may log in the middle of a line
+            try:
+                self.stream.write(line)
+                self.stream.flush()
+            except (OSError, ValueError):
+                pass
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.write(one_line(record.getMessage()), record.levelno, record.created)
+
+
+def log_to_stderr() -> None:
+    """Print the ``spoolq`` logger's records on stderr, and only there
+    (an --app module that configures logging gets none of them twice)."""
+    logger = logging.getLogger(LOGGER)
+    logger.addHandler(LineHandler())
+    logger.setLevel(logging.DEBUG)  # how much is logged is the worker's Log level (-q, -v)
+    logger.propagate = False

@@ -23,6 +23,7 @@ SIGUSR1).
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -76,13 +77,13 @@ def run_workers(make_spool: Callable[[], Any], processes: int, handlers: dict, m
             tell(signal.SIGHUP)
             return
         if signum in RELAYED_SIGNALS:
-            log.line(f"signal={name} ignored: spoolq work -j {processes} stops on SIGTERM or SIGINT", 0)
+            log.line(f"signal={name} ignored: spoolq work -j {processes} stops on SIGTERM or SIGINT", 0, logging.WARNING)
             return
         stop_signals += 1
         if stop_signals == 1:
             log.line(f"stopping on {name}: {STOPPING}", 1)
         elif stop_signals == 2:
-            log.line(f"stopping now on {name}: {STOPPING_NOW}", 0)
+            log.line(f"stopping now on {name}: {STOPPING_NOW}", 0, logging.WARNING)
         tell(signal.SIGUSR1 if stop_signals == 1 else signal.SIGUSR2)
 
     def reap() -> None:

@@ -24,18 +24,17 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import logging
 import os
 import queue
 import signal
-import sys
 import threading
 import time
 from typing import Any, Callable, TextIO
 
 from . import config, procs, transitions
-from .output import one_line
+from .output import LOGGER, LineHandler, one_line
 from .protocol import Entry
-from .record import rfc3339
 from .registry import Registration
 from .runner import Limits, Outcome, RunHandle, call_handler, close_all, fork_handler, inheritable_fds, make_outputs, run_process
 
@@ -77,26 +76,50 @@ class ForcedStop(BaseException):
 
 
 class Log:
-    """One grep-friendly line per job outcome on a stream (stderr)."""
+    """A worker's log: one grep-friendly line per job outcome or event.
 
-    def __init__(self, stream: TextIO | None = None, level: int = 1):
-        self.stream = stream if stream is not None else sys.stderr
-        self.level = level  # 0 quiet (problems only), 1 outcomes, 2 verbose
-        # Re-entrant: a signal handler (which runs on the main thread, maybe in
-        # the middle of a line) logs too, and must not wait for itself.
-        self._lock = threading.RLock()
+    The lines are records of the ``spoolq`` logger (or of ``logger``), each
+    with a level: ERROR for a job gone dead and for errors, WARNING for a
+    failed run and what else wants a look, INFO for the rest, DEBUG for the
+    verbose lines. ``spoolq work`` prints them (output.LineHandler); a
+    program that configures logging gets them like any library's. Given a
+    ``stream``, the lines are printed on it instead, as ``spoolq work``
+    prints them. ``level`` is how much is logged at all: 0 problems only
+    (``spoolq work -q``), 1 outcomes, 2 verbose."""
 
-    def line(self, text: str, level: int = 1) -> None:
-        if level > self.level or self.stream is None:  # None: started with stderr closed
+    def __init__(self, stream: TextIO | None = None, level: int = 1, logger: Any = None):
+        self.level = level
+        self.logger = logger if logger is not None else logging.getLogger(LOGGER)
+        self._printer = LineHandler(stream) if stream is not None else None
+
+    def line(self, text: str, level: int = 1, severity: int | None = None) -> None:
+        """Log ``text`` if ``level`` is within this log's; ``severity`` (a
+        logging level) defaults to ERROR, INFO and DEBUG for levels 0, 1, 2."""
+        if level > self.level:
             return
-        stamp = rfc3339()[:23] + "Z"
+        if severity is None:
+            severity = _SEVERITY[level]
         text = one_line(text)  # a file name or an error quoted in it may hold any character
-        with self._lock:
-            try:
-                self.stream.write(f"{stamp} {text}\n")
-                self.stream.flush()
-            except (OSError, ValueError):
-                pass
+        if self._printer is not None:
+            self._printer.write(text, severity)
+        elif self.logger.isEnabledFor(severity):
+            self.logger.log(severity, text, stacklevel=2)
+
+
+_SEVERITY = {0: logging.ERROR, 1: logging.INFO, 2: logging.DEBUG}
+
+
+def as_log(log: Any) -> Log:
+    """A worker's Log for what Spool.work was given: a Log as it is, a
+    logging.Logger (or adapter) to take every line, or None for the
+    ``spoolq`` logger (whose records logging shows as configured)."""
+    if isinstance(log, Log):
+        return log
+    if log is None:
+        return Log(level=2)
+    if isinstance(log, (logging.Logger, logging.LoggerAdapter)):
+        return Log(level=2, logger=log)
+    raise TypeError(f"log must be a logging.Logger, not {type(log).__name__}")
 
 
 def _quote(text: str) -> str:
@@ -208,7 +231,7 @@ class Worker:
         self.max_time = max_time
         self.watch = watch
         self.poll = poll
-        self.log = log or Log(level=0)
+        self.log = as_log(log)
         self.signals = signals
         # One of several worker processes behind `spoolq work -j N` (see
         # pool.py): the parent passes stop signals on as SIGUSR1 (stop
@@ -327,7 +350,7 @@ class Worker:
         verbosity, stopping = 1, STOPPING
         if signum in RELAYED_SIGNALS:
             if not self.relayed:
-                self.log.line(f"worker={self._wid} signal={name} ignored: this worker stops on SIGTERM or SIGINT", 0)
+                self.log.line(f"worker={self._wid} signal={name} ignored: this worker stops on SIGTERM or SIGINT", 0, logging.WARNING)
                 return
             level = 1 if signum == signal.SIGUSR1 else 2
             verbosity = 2
@@ -351,7 +374,8 @@ class Worker:
             self.log.line(f"worker={self._wid} stopping on {name}: {stopping}", verbosity)
             return
         self.stop(force=True)
-        self.log.line(f"worker={self._wid} stopping now on {name}: {STOPPING_NOW}", 0 if verbosity == 1 else verbosity)
+        self.log.line(f"worker={self._wid} stopping now on {name}: {STOPPING_NOW}", 0 if verbosity == 1 else verbosity,
+                      logging.WARNING)
         handle = self._running.get(threading.main_thread().ident)
         if handle is not None and handle.inline:
             raise ForcedStop()
@@ -462,11 +486,12 @@ class Worker:
             self.log.line(
                 f"worker={self._wid} recovered: failed={report.recovered} dead={report.dead} "
                 f"completed={report.completed} quarantined={report.quarantined} killed={report.killed}",
-                0,
+                0, logging.WARNING,
             )
         if report.left_running:
             self.log.line(f"worker={self._wid} left {report.left_running} jobs of dead workers in cur/: "
-                          "their processes still run and are another user's to kill (recovered by the first recovery after they end)", 0)
+                          "their processes still run and are another user's to kill (recovered by the first recovery after they end)", 0,
+                          logging.WARNING)
         if removed:
             self.log.line(f"worker={self._wid} removed {removed} stale tmp/ files", 1)
 
@@ -1028,4 +1053,4 @@ class Worker:
             parts.append(f"retry_in={max(0.0, due - time.time()):.1f}s")
         if out.error:
             parts.append(f"error={_quote(out.error)}")
-        self.log.line(" ".join(parts), 0 if dest == "dead" else 1)
+        self.log.line(" ".join(parts), 0 if dest == "dead" else 1, logging.WARNING if dest == "failed" else None)

@@ -141,6 +141,42 @@ def test_handlers_running_side_by_side_in_threads_each_keep_what_they_print(q, c
     assert "before" not in printed.out and "warns" not in printed.err
 
 
+def test_work_logs_to_a_logging_logger_with_levels(q):
+    """Spool.work(log=a logging.Logger): the worker's lines are that
+    logger's records, with levels: ERROR for a job gone dead, WARNING for a
+    failed run, INFO for a success."""
+    import logging
+
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+
+    logger = logging.getLogger("test_work_logs_to_a_logging_logger")
+    logger.addHandler(Keep())
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    q.config_set("backoff_initial", 0)
+    ok = q.enqueue(command="true")
+    bad = q.enqueue(command="exit 3", max_attempts=2)
+    q.work(log=logger)
+    levels = {(r.levelno, m) for r in records for m in (r.getMessage(),)}
+    assert any(level == logging.INFO and f"job={ok} outcome=succeeded" in m for level, m in levels), levels
+    assert any(level == logging.WARNING and f"job={bad} outcome=failed" in m for level, m in levels), levels
+    assert any(level == logging.ERROR and f"job={bad} outcome=dead" in m for level, m in levels), levels
+
+
+def test_work_logs_through_the_spoolq_logger_by_default(q, caplog):
+    import logging
+
+    q.enqueue(command="exit 3", max_attempts=1, id="doomed")
+    with caplog.at_level(logging.INFO, logger="spoolq"):
+        q.work()
+    assert [(r.name, r.levelno) for r in caplog.records if "job=doomed outcome=dead" in r.getMessage()] == [
+        ("spoolq", logging.ERROR)]
+
+
 def test_a_handler_that_loops_forever_is_stopped_by_its_timeout(q):
     def spin(payload):
         while True:

@@ -803,6 +803,59 @@ def test_outcome_log_lines(fast_spool):
     assert s.work("--quiet").stderr == ""
 
 
+def _work_logging_to_a_pipe(s, journal: str | None, *args: str) -> str:
+    """``spoolq work ARGS`` with stderr a pipe and $JOURNAL_STREAM naming
+    that pipe ("match"), another file ("other") or unset (None): its stderr."""
+    import re
+
+    r, w = os.pipe()
+    env = dict(os.environ)
+    env.pop("SPOOLQ_DIR", None)
+    env.pop("JOURNAL_STREAM", None)
+    if journal:
+        st = os.fstat(w) if journal == "match" else os.stat(os.devnull)
+        env["JOURNAL_STREAM"] = f"{st.st_dev}:{st.st_ino}"
+    try:
+        proc = subprocess.Popen(SPOOLQ + ["-s", str(s.path), "work", *args], stderr=w, env=env)
+    finally:
+        os.close(w)
+    with os.fdopen(r) as f:
+        err = f.read()
+    assert proc.wait(timeout=120) == 0, err
+    if journal == "match":
+        assert re.search(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d", err) is None, err  # the journal has the time
+    return err
+
+
+def test_under_systemds_journal_log_lines_carry_syslog_priorities_and_no_time(fast_spool):
+    """With stderr connected to the journal ($JOURNAL_STREAM names it), a
+    worker prefixes its lines with sd-daemon priorities instead of a time
+    (the journal stamps lines itself): <3> for a job gone dead, so that
+    `journalctl -p err` finds it, <4> for a failed run, <6> for the rest."""
+    s = fast_spool
+    s.config("backoff_initial", 0)
+    ok = s.enqueue("true")
+    bad = s.enqueue("--max-attempts", "2", "exit 3")
+    lines = _work_logging_to_a_pipe(s, "match").splitlines()
+    assert any(line.startswith(f"<6>worker=") and f"job={ok} outcome=succeeded attempt=1/5" in line for line in lines), lines
+    assert any(line.startswith(f"<4>worker=") and f"job={bad} outcome=failed attempt=1/2" in line for line in lines), lines
+    assert any(line.startswith(f"<3>worker=") and f"job={bad} outcome=dead attempt=2/2" in line for line in lines), lines
+    assert all(line[:3] in ("<3>", "<4>", "<6>") for line in lines), lines
+
+
+@pytest.mark.parametrize("journal", [None, "other"])
+def test_log_lines_begin_with_the_time_unless_stderr_is_the_journal(fast_spool, journal):
+    """A time, as always, when $JOURNAL_STREAM is unset, or set (inherited
+    from a service) while stderr goes somewhere else."""
+    import re
+
+    s = fast_spool
+    job_id = s.enqueue("--max-attempts", "1", "exit 3")
+    lines = _work_logging_to_a_pipe(s, journal).splitlines()
+    assert lines and all(re.match(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z worker=", line) for line in lines), lines
+    assert any(f"job={job_id} outcome=dead attempt=1/1" in line for line in lines), lines
+
+
 def test_a_job_inherits_only_stdin_stdout_and_stderr(fast_spool, tmp_path):
     """Whatever else the worker has open (descriptors passed down by
     whoever started it, watchdog's inotify descriptor in watch mode) is
