@@ -127,6 +127,31 @@ def _quote(text: str) -> str:
     return f'"{text[:200]}"'
 
 
+def log_what_waits(spool_dir: Any, log: Log) -> None:
+    """Log, as ``spoolq work`` ends, how many jobs wait in failed/ and when
+    the first of them is due again, and how many are dead: a worker run from
+    cron exits 0 whatever its jobs did, so this line is what its mail says.
+    Nothing when there are neither. A failed job's due time is its file's
+    modification time, so this is one listing of each folder."""
+    try:
+        failed, next_due = 0, None
+        for _name, st in spool_dir.entries("failed"):
+            failed += 1
+            if next_due is None or st.st_mtime < next_due:
+                next_due = st.st_mtime
+        dead = spool_dir.count("dead")
+    except OSError:
+        return
+    parts = []
+    if failed:
+        when = "due now" if next_due <= time.time() else time.strftime("at %Y-%m-%dT%H:%M:%SZ", time.gmtime(next_due))
+        parts.append(f"{failed} job{'s wait' if failed != 1 else ' waits'} in failed/ (next retry {when})")
+    if dead:
+        parts.append(f"{dead}{'' if failed else ' job' if dead == 1 else ' jobs'} dead (spoolq list --state dead)")
+    if parts:
+        log.line("stopped: " + ", ".join(parts), 0, logging.WARNING)
+
+
 class Waker:
     """Wakes a sleeping dispatcher. The base class only reacts to wake()
     calls (finished jobs, signals); watchers add filesystem events.

@@ -800,7 +800,8 @@ def test_outcome_log_lines(fast_spool):
     assert any(f"job={ok} outcome=succeeded attempt=1/5" in line and "exit=0" in line for line in lines)
     assert any(f"job={bad} outcome=dead attempt=1/1" in line and "exit=3" in line for line in lines)
     s.enqueue("true")
-    assert s.work("--quiet").stderr == ""
+    quiet = s.work("--quiet").stderr.splitlines()  # no success; only what still wants a look
+    assert len(quiet) == 1 and quiet[0].endswith(" stopped: 1 job dead (spoolq list --state dead)"), quiet
 
 
 def _work_logging_to_a_pipe(s, journal: str | None, *args: str) -> str:
@@ -854,6 +855,48 @@ def test_log_lines_begin_with_the_time_unless_stderr_is_the_journal(fast_spool, 
     lines = _work_logging_to_a_pipe(s, journal).splitlines()
     assert lines and all(re.match(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z worker=", line) for line in lines), lines
     assert any(f"job={job_id} outcome=dead attempt=1/1" in line for line in lines), lines
+
+
+@pytest.mark.parametrize("args", [[], ["-j", "2"], ["--quiet"], ["--max-jobs", "3"]])
+def test_work_ends_saying_how_many_jobs_wait_in_failed_and_are_dead(fast_spool, args):
+    """A worker run from cron exits 0 whatever its jobs did: its last
+    stderr line says how many jobs wait for a retry, when the first is
+    due, and how many are dead. Nothing when there are none."""
+    import calendar
+
+    s = fast_spool
+    s.config("backoff_initial", "300")
+    failing = [s.enqueue("--max-attempts", "3", "exit 3") for _ in range(2)]
+    s.enqueue("--max-attempts", "1", "exit 4")
+    proc = s.work(*args)
+    assert sorted(s.ids("failed")) == sorted(failing) and len(s.ids("dead")) == 1
+    first_due = min(os.stat(s.path / "failed" / f"{i}.json").st_mtime for i in failing)
+    last = proc.stderr.splitlines()[-1]
+    when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(first_due))
+    assert last.endswith(f" stopped: 2 jobs wait in failed/ (next retry at {when}), 1 dead (spoolq list --state dead)"), last
+    assert 200 < calendar.timegm(time.strptime(when, "%Y-%m-%dT%H:%M:%SZ")) - time.time() < 400
+    for job_id in failing:
+        s.run("cancel", job_id)
+    assert s.work(*args).stderr.splitlines()[-1].endswith(" stopped: 1 job dead (spoolq list --state dead)")
+
+
+def test_a_stopped_watcher_says_what_waits_and_exits_0(fast_spool):
+    s = fast_spool
+    job_id = s.enqueue("--max-attempts", "1", "exit 3")
+    worker = s.popen("work", "--watch", stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: s.where(job_id) == ["dead"], what="the job to go dead")
+    s.enqueue("--max-attempts", "2", "--in", "1h", "true")
+    worker.send_signal(signal.SIGTERM)
+    _, err = worker.communicate(timeout=60)
+    assert worker.returncode == 0, err
+    assert err.splitlines()[-1].endswith(" stopped: 1 job dead (spoolq list --state dead)"), err
+
+
+def test_work_with_nothing_failed_or_dead_ends_without_a_note(fast_spool):
+    s = fast_spool
+    s.enqueue("true")
+    s.enqueue("--in", "1h", "true")
+    assert "stopped" not in s.work().stderr
 
 
 def test_a_job_inherits_only_stdin_stdout_and_stderr(fast_spool, tmp_path):
