@@ -547,8 +547,25 @@ class _Captured:
     def writable(self) -> bool:
         return True
 
+    @property
+    def buffer(self) -> Any:
+        """For ``sys.stdout.buffer.write(b"...")``: bytes kept as UTF-8 text."""
+        return _CapturedBytes(self)
+
     def text(self) -> str:
         return "".join(self._parts)
+
+
+class _CapturedBytes:
+    def __init__(self, captured: _Captured):
+        self._captured = captured
+
+    def write(self, data: bytes) -> int:
+        self._captured.write(bytes(data).decode("utf-8", errors="replace"))
+        return len(data)
+
+    def flush(self) -> None:
+        pass
 
 
 class _Routed:
@@ -735,8 +752,9 @@ def fork_handler(
                 # the worker's may hold text it buffered but did not write yet.
                 os.dup2(outputs[0], 1)
                 os.dup2(outputs[1], 2)
-                sys.stdout = open(1, "w", encoding="utf-8", errors="backslashreplace", closefd=False)
-                sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False)
+                # Line-buffered: what it printed before a timeout killed it is kept.
+                sys.stdout = open(1, "w", encoding="utf-8", errors="backslashreplace", closefd=False, buffering=1)
+                sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False, buffering=1)
                 child = Outcome(start=out.start)
                 try:
                     _call_into(child, handler, job, limits)

@@ -625,10 +625,11 @@ def test_what_a_handler_prints_is_its_jobs_output_not_the_workers(fast_spool, tm
     s = fast_spool
     s.config("output_limit", 100)
     (tmp_path / "talkapp.py").write_text(
-        "import sys\n"
+        "import sys, time\n"
         "def say(payload):\n"
         "    print('said', payload)\n"
         "    print('warned', payload, file=sys.stderr)\n"
+        "    sys.stdout.buffer.write(b'raw\\n')\n"
         "    sys.stdout.write('no newline')\n"
         "    return payload\n"
         "def fail(payload):\n"
@@ -638,21 +639,27 @@ def test_what_a_handler_prints_is_its_jobs_output_not_the_workers(fast_spool, tm
         "    for i in range(20000):\n"
         "        print(i)\n"
         "    print('end', payload)\n"
-        "HANDLERS = {'say': say, 'fail': fail, 'flood': flood}\n")
+        "def hang(payload):\n"
+        "    print('about to hang')\n"
+        "    time.sleep(600)\n"
+        "HANDLERS = {'say': say, 'fail': fail, 'flood': flood, 'hang': hang}\n")
     jobs = {}
     for where, options in (("inline", []), ("forked", ["--timeout", "60"])):
         for kind in ("say", "fail", "flood"):
             jobs[where, kind] = s.enqueue("--kind", kind, "--payload", f'"{where}"', "--max-attempts", "1", *options)
+    hung = s.enqueue("--kind", "hang", "--max-attempts", "1", "--timeout", "1")
     proc = s.run("work", "-j", processes, "--app", "talkapp:HANDLERS", cwd=str(tmp_path))
     for where in ("inline", "forked"):
         said = s.show(jobs[where, "say"])
         assert said["state"] == "done" and said["result"] == where, said
-        assert said["stdout"] == f"said {where}\nno newline" and said["stderr"] == f"warned {where}\n", said
+        assert said["stdout"] == f"said {where}\nraw\nno newline" and said["stderr"] == f"warned {where}\n", said
         failed = s.show(jobs[where, "fail"])
         assert failed["state"] == "dead" and failed["stdout"] == f"before failing {where}\n", failed
         assert failed["stderr"].endswith("ValueError: bad payload\n"), failed
         flooded = s.show(jobs[where, "flood"])
         assert flooded["stdout"].endswith(f"19999\nend {where}\n") and len(flooded["stdout"].encode()) == 100, flooded
+    hung = s.show(hung)
+    assert hung["error"] == "timed out after 1s" and hung["stdout"] == "about to hang\n", hung  # what it printed before
     assert proc.stdout == ""
     for text in ("said", "warned", "before failing", "19999"):
         assert text not in proc.stderr, proc.stderr
@@ -853,7 +860,7 @@ def test_log_lines_begin_with_the_time_unless_stderr_is_the_journal(fast_spool, 
     s = fast_spool
     job_id = s.enqueue("--max-attempts", "1", "exit 3")
     lines = _work_logging_to_a_pipe(s, journal).splitlines()
-    assert lines and all(re.match(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z worker=", line) for line in lines), lines
+    assert lines and all(re.match(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z (worker=|stopped: )", line) for line in lines), lines
     assert any(f"job={job_id} outcome=dead attempt=1/1" in line for line in lines), lines
 
 
