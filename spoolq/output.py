@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import errno
 import json
-import logging
 import os
 import sys
+import threading
 from typing import Any, NoReturn
 
 LOGGER = "spoolq"  # the logger whose records the worker's log lines are
@@ -145,11 +145,11 @@ def show(spool, job_id: str, as_json: bool) -> None:
 def syslog_priority(levelno: int) -> int:
     """The syslog priority of a logging level, as sd-daemon(3) prefixes a
     line with it: 3 err, 4 warning, 6 info, 7 debug."""
-    if levelno >= logging.ERROR:
+    if levelno >= 40:  # logging.ERROR (logging itself is imported only by a worker)
         return 3
-    if levelno >= logging.WARNING:
+    if levelno >= 30:  # WARNING
         return 4
-    return 6 if levelno >= logging.INFO else 7
+    return 6 if levelno >= 20 else 7  # INFO, else DEBUG
 
 
 def under_journal(stream: Any) -> bool:
@@ -168,20 +168,24 @@ def under_journal(stream: Any) -> bool:
     return (st.st_dev, st.st_ino) == (dev, ino)
 
 
-class LineHandler(logging.Handler):
-    """Prints spoolq's log records as ``spoolq work`` does: a line each,
-    ``TIME text`` (TIME in RFC 3339, UTC, milliseconds); under systemd's
-    journal, which stamps lines itself, ``<PRIORITY>text`` instead, so that
-    ``journalctl -p err`` finds dead jobs and errors. The stream is fixed
-    when the handler is made: while in-process handlers run, sys.stderr
-    is theirs (see runner.call_handler)."""
+class LinePrinter:
+    """Prints log lines as ``spoolq work`` does: ``TIME text`` (TIME in
+    RFC 3339, UTC, milliseconds); under systemd's journal, which stamps
+    lines itself, ``<PRIORITY>text`` instead, so that ``journalctl -p err``
+    finds dead jobs and errors. The stream is fixed when the printer is
+    made: while in-process handlers run, sys.stderr is theirs (see
+    runner.call_handler)."""
 
     def __init__(self, stream: Any = None):
-        super().__init__()
         self.stream = sys.stderr if stream is None else stream  # None: started with stderr closed
         self.journal = self.stream is not None and under_journal(self.stream)
+        # Re-entrant: a signal handler (which runs on the main thread, maybe
+        # in the middle of a line) logs too, and must not wait for itself.
+        self._lock = threading.RLock()
 
     def write(self, text: str, levelno: int, created: float | None = None) -> None:
+        """Print ``text`` (one line) logged at ``levelno`` (a logging level)
+        at ``created`` (now if None)."""
         if self.stream is None:
             return
         if self.journal:
@@ -190,20 +194,26 @@ class LineHandler(logging.Handler):
             from .record import rfc3339
 
             line = f"{rfc3339(created)[:23]}Z {text}\n"
-        with self.lock:  # re-entrant: a signal handler may log in the middle of a line
+        with self._lock:
             try:
                 self.stream.write(line)
                 self.stream.flush()
             except (OSError, ValueError):
                 pass
 
-    def emit(self, record: logging.LogRecord) -> None:
-        self.write(one_line(record.getMessage()), record.levelno, record.created)
-
 
 def log_to_stderr() -> None:
-    """Print the ``spoolq`` logger's records on stderr, and only there
-    (an --app module that configures logging gets none of them twice)."""
+    """Print the ``spoolq`` logger's records on stderr with a LinePrinter,
+    and only there (an --app module that configures logging gets none of
+    them twice)."""
+    import logging
+
+    printer = LinePrinter()
+
+    class LineHandler(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            printer.write(one_line(record.getMessage()), record.levelno, record.created)
+
     logger = logging.getLogger(LOGGER)
     logger.addHandler(LineHandler())
     logger.setLevel(logging.DEBUG)  # how much is logged is the worker's Log level (-q, -v)

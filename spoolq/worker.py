@@ -33,7 +33,7 @@ import time
 from typing import Any, Callable, TextIO
 
 from . import config, procs, transitions
-from .output import LOGGER, LineHandler, one_line
+from .output import LOGGER, LinePrinter, one_line
 from .protocol import Entry
 from .registry import Registration
 from .runner import Limits, Outcome, RunHandle, call_handler, close_all, fork_handler, inheritable_fds, make_outputs, run_process
@@ -81,7 +81,7 @@ class Log:
     The lines are records of the ``spoolq`` logger (or of ``logger``), each
     with a level: ERROR for a job gone dead and for errors, WARNING for a
     failed run and what else wants a look, INFO for the rest, DEBUG for the
-    verbose lines. ``spoolq work`` prints them (output.LineHandler); a
+    verbose lines. ``spoolq work`` prints them (output.log_to_stderr); a
     program that configures logging gets them like any library's. Given a
     ``stream``, the lines are printed on it instead, as ``spoolq work``
     prints them. ``level`` is how much is logged at all: 0 problems only
@@ -90,7 +90,7 @@ class Log:
     def __init__(self, stream: TextIO | None = None, level: int = 1, logger: Any = None):
         self.level = level
         self.logger = logger if logger is not None else logging.getLogger(LOGGER)
-        self._printer = LineHandler(stream) if stream is not None else None
+        self._printer = LinePrinter(stream) if stream is not None else None
 
     def line(self, text: str, level: int = 1, severity: int | None = None) -> None:
         """Log ``text`` if ``level`` is within this log's; ``severity`` (a
