@@ -109,11 +109,12 @@ class Log:
 _SEVERITY = {0: logging.ERROR, 1: logging.INFO, 2: logging.DEBUG}
 
 
-def as_log(log: Any) -> Log:
-    """A worker's Log for what Spool.work was given: a Log as it is, a
-    logging.Logger (or adapter) to take every line, or None for the
-    ``spoolq`` logger (whose records logging shows as configured)."""
-    if isinstance(log, Log):
+def as_log(log: Any) -> Any:
+    """A worker's Log for what Spool.work was given: a Log (or an object
+    with its ``line`` method) as it is, a logging.Logger (or adapter) to
+    take every line, or None for the ``spoolq`` logger (whose records
+    logging shows as configured)."""
+    if isinstance(log, Log) or callable(getattr(log, "line", None)):  # (a Log-like object, as before)
         return log
     if log is None:
         return Log(level=2)
@@ -140,7 +141,7 @@ def log_what_waits(spool_dir: Any, log: Log) -> None:
             if next_due is None or st.st_mtime < next_due:
                 next_due = st.st_mtime
         dead = spool_dir.count("dead")
-    except OSError:
+    except Exception:  # (a folder made unreadable meanwhile) a note must not fail a clean exit
         return
     parts = []
     if failed:
@@ -511,7 +512,7 @@ class Worker:
             self.log.line(
                 f"worker={self._wid} recovered: failed={report.recovered} dead={report.dead} "
                 f"completed={report.completed} quarantined={report.quarantined} killed={report.killed}",
-                0, logging.WARNING,
+                0, logging.ERROR if report.dead else logging.WARNING,
             )
         if report.left_running:
             self.log.line(f"worker={self._wid} left {report.left_running} jobs of dead workers in cur/: "
