@@ -377,7 +377,7 @@ def _read_jsonl(source: str, options: dict[str, Any]):
 def work(ctx, jobs, max_jobs, max_time, app, watch, poll, quiet, verbose):
     """Recover, then run due jobs until none is due (or forever with --watch)."""
     from .spool import load_app
-    from .worker import Log
+    from .worker import Log, log_what_waits
 
     spool = _spool(ctx)
     handlers = {}
@@ -386,7 +386,8 @@ def work(ctx, jobs, max_jobs, max_time, app, watch, poll, quiet, verbose):
             handlers = load_app(app)
         except ValueError as e:
             fail(str(e), 2)
-    log = Log(sys.stderr, level=0 if quiet else 2 if verbose else 1)
+    output.log_to_stderr()
+    log = Log(level=0 if quiet else 2 if verbose else 1)
     from .worker import Worker
 
     output.require_spool(spool)  # a mistyped path must not become an empty spool that is watched forever
@@ -398,12 +399,15 @@ def work(ctx, jobs, max_jobs, max_time, app, watch, poll, quiet, verbose):
         from .pool import run_workers
 
         spool.dir.close()  # each worker process opens its own: with these too, it ran short under a low limit
-        if not run_workers(lambda: Spool(spool.path), jobs, handlers, max_jobs, max_time, watch, poll, log):
+        clean = run_workers(lambda: Spool(spool.path), jobs, handlers, max_jobs, max_time, watch, poll, log)
+        log_what_waits(spool.dir, log)
+        if not clean:
             sys.exit(1)
         return
     worker = Worker(spool, handlers=handlers, jobs=jobs, max_jobs=max_jobs, max_time=max_time,
                     watch=watch, poll=poll, log=log)
     worker.run()
+    log_what_waits(spool.dir, log)
     if worker.failed_to_record:
         sys.exit(1)
 

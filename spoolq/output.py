@@ -11,7 +11,10 @@ import errno
 import json
 import os
 import sys
+import threading
 from typing import Any, NoReturn
+
+LOGGER = "spoolq"  # the logger whose records the worker's log lines are
 
 
 def echo(text: str = "", err: bool = False, nl: bool = True) -> None:
@@ -160,3 +163,81 @@ def show(spool, job_id: str, as_json: bool) -> None:
             echo(f"{key}: {value if isinstance(value, str) else dumps(value)}")
     if job.get("abandoned"):
         echo(f"note: {ABANDONED}")
+
+
+def syslog_priority(levelno: int) -> int:
+    """The syslog priority of a logging level, as sd-daemon(3) prefixes a
+    line with it: 3 err, 4 warning, 6 info, 7 debug."""
+    if levelno >= 40:  # logging.ERROR (logging itself is imported only by a worker)
+        return 3
+    if levelno >= 30:  # WARNING
+        return 4
+    return 6 if levelno >= 20 else 7  # INFO, else DEBUG
+
+
+def under_journal(stream: Any) -> bool:
+    """Whether ``stream`` is connected to systemd's journal: $JOURNAL_STREAM
+    gives the device and inode of the journal's stream, and a process run
+    by a service inherits the variable even when its stderr goes elsewhere
+    (``2>>file``), so the descriptor is checked against it."""
+    value = os.environ.get("JOURNAL_STREAM")
+    if not value:
+        return False
+    try:
+        dev, ino = (int(part) for part in value.split(":"))
+        st = os.fstat(stream.fileno())
+    except (ValueError, OSError, AttributeError):
+        return False
+    return (st.st_dev, st.st_ino) == (dev, ino)
+
+
+class LinePrinter:
+    """Prints log lines as ``spoolq work`` does: ``TIME text`` (TIME in
+    RFC 3339, UTC, milliseconds); under systemd's journal, which stamps
+    lines itself, ``<PRIORITY>text`` instead, so that ``journalctl -p err``
+    finds dead jobs and errors. The stream is fixed when the printer is
+    made: while in-process handlers run, sys.stderr is theirs (see
+    runner.call_handler)."""
+
+    def __init__(self, stream: Any = None):
+        self.stream = sys.stderr if stream is None else stream  # None: started with stderr closed
+        self.journal = self.stream is not None and under_journal(self.stream)
+        # Re-entrant: a signal handler (which runs on the main thread, maybe
+        # in the middle of a line) logs too, and must not wait for itself.
+        self._lock = threading.RLock()
+
+    def write(self, text: str, levelno: int, created: float | None = None) -> None:
+        """Print ``text`` (one line) logged at ``levelno`` (a logging level)
+        at ``created`` (now if None)."""
+        if self.stream is None:
+            return
+        if self.journal:
+            line = f"<{syslog_priority(levelno)}>{text}\n"
+        else:
+            from .record import rfc3339
+
+            line = f"{rfc3339(created)[:23]}Z {text}\n"
+        with self._lock:
+            try:
+                self.stream.write(line)
+                self.stream.flush()
+            except (OSError, ValueError):
+                pass
+
+
+def log_to_stderr() -> None:
+    """Print the ``spoolq`` logger's records on stderr with a LinePrinter,
+    and only there (an --app module that configures logging gets none of
+    them twice)."""
+    import logging
+
+    printer = LinePrinter()
+
+    class LineHandler(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            printer.write(one_line(record.getMessage()), record.levelno, record.created)
+
+    logger = logging.getLogger(LOGGER)
+    logger.addHandler(LineHandler())
+    logger.setLevel(logging.DEBUG)  # how much is logged is the worker's Log level (-q, -v)
+    logger.propagate = False

@@ -11,7 +11,9 @@ it runs in the caller's process, whose handlers may share its state.)
 
 Signals go to the parent, which passes them on: the first SIGTERM or
 SIGINT as SIGUSR1 (stop claiming, let running jobs finish), a second as
-SIGUSR2 (kill them), SIGHUP as SIGHUP (reread config.json). The workers
+SIGUSR2 (kill them), SIGHUP as SIGHUP (reread config.json). The parent logs
+each stop with the signal it was sent, once for all its workers; SIGUSR1
+and SIGUSR2 sent to the parent itself are ignored. The workers
 leave SIGTERM and SIGINT that reach them directly (a terminal's Ctrl-C
 reaches the whole process group, systemd's stop the whole control group)
 to the parent, so one signal never counts twice. A worker whose parent
@@ -21,6 +23,7 @@ SIGUSR1).
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -28,14 +31,14 @@ from typing import Any, Callable
 
 from .procs import DIRECT_SIGNALS, HANDLED_SIGNALS
 from .runner import die_with_parent
-from .worker import RELAYED_SIGNALS, Log, Worker
+from .worker import RELAYED_SIGNALS, STOPPING, STOPPING_NOW, Log, Worker
 
 PASSED_ON = DIRECT_SIGNALS  # a worker process handles these and RELAYED_SIGNALS: HANDLED_SIGNALS
 # Blocked in the parent for the whole run and taken with sigtimedwait: a
 # handler runs only once Python runs again, and a signal that came just
 # before the parent went to sleep in waitid() was handled by nobody until
 # a worker ended (a stop lost about once in 500 starts).
-WAITED = PASSED_ON + (signal.SIGCHLD,)
+WAITED = PASSED_ON + RELAYED_SIGNALS + (signal.SIGCHLD,)
 
 
 def shares(max_jobs: int | None, processes: int) -> list[int | None]:
@@ -69,10 +72,18 @@ def run_workers(make_spool: Callable[[], Any], processes: int, handlers: dict, m
 
     def pass_on(signum: int) -> None:
         nonlocal stop_signals
+        name = signal.Signals(signum).name
         if signum == signal.SIGHUP:
             tell(signal.SIGHUP)
             return
+        if signum in RELAYED_SIGNALS:
+            log.line(f"signal={name} ignored: spoolq work -j {processes} stops on SIGTERM or SIGINT", 0, logging.WARNING)
+            return
         stop_signals += 1
+        if stop_signals == 1:
+            log.line(f"stopping on {name}: {STOPPING}", 1)
+        elif stop_signals == 2:
+            log.line(f"stopping now on {name}: {STOPPING_NOW}", 0, logging.WARNING)
         tell(signal.SIGUSR1 if stop_signals == 1 else signal.SIGUSR2)
 
     def reap() -> None:
@@ -112,9 +123,9 @@ def run_workers(make_spool: Callable[[], Any], processes: int, handlers: dict, m
     # unblocks them once its own handlers are in place. SIGCHLD at its
     # default, not ignored (as whoever started us may have left it), or
     # the kernel would send none.
-    old_handlers = {sig: signal.signal(sig, on_signal) for sig in PASSED_ON}
+    old_handlers = {sig: signal.signal(sig, on_signal) for sig in PASSED_ON + RELAYED_SIGNALS}
     old_handlers[signal.SIGCHLD] = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, WAITED + RELAYED_SIGNALS)
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, WAITED)
     try:
         for share in shares(max_jobs, processes):
             if share == 0:
@@ -142,7 +153,7 @@ def run_workers(make_spool: Callable[[], Any], processes: int, handlers: dict, m
                 pass_on(info.si_signo)
     finally:
         # Signals that came after the last worker ended have nobody to go to.
-        while signal.sigtimedwait(WAITED + RELAYED_SIGNALS, 0) is not None:
+        while signal.sigtimedwait(WAITED, 0) is not None:
             pass
         signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
         for sig, handler in old_handlers.items():

@@ -12,6 +12,19 @@ Handler jobs (``kind``) call a Python function. Without a timeout they run
 in the worker itself (cheapest: a function call). With a timeout they run in
 a forked child that is killed when it runs over, because a thread stuck in a
 Python loop cannot be stopped any other way.
+
+What a handler prints is its job's output, as a command's is, not the
+worker's (which is cron's mail or the journal). A forked handler's
+descriptors 1 and 2 are memory files, as a command's are, so everything it
+writes is kept. An in-process handler shares the worker's descriptors with
+the worker's own log and with other handlers running beside it, so only
+what is written through ``sys.stdout`` and ``sys.stderr`` by the thread
+running it is kept (print, tracebacks, a logging handler looking up
+``sys.stderr`` as it writes): while handlers run those two are routed per
+thread (see _Routed). Writes to the descriptors themselves (a subprocess
+the handler starts without capturing it, C code) and writes from threads
+the handler starts go where they did; give the job a timeout to keep those
+too.
 """
 
 from __future__ import annotations
@@ -529,20 +542,158 @@ def _json_result(value: Any) -> Any:
     return record.loads(json.dumps(value, allow_nan=False), max_depth=record.MAX_DEPTH - 1)
 
 
+class _Captured:
+    """What one in-process handler writes to sys.stdout or sys.stderr: the
+    last ``limit`` characters (at least ``limit`` bytes) of it, so a handler
+    printing without end costs the worker little memory."""
+
+    encoding = "utf-8"
+    errors = "backslashreplace"
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._parts: list[str] = []
+        self._size = 0
+
+    def write(self, text: str) -> int:
+        if not isinstance(text, str):
+            raise TypeError(f"write() argument must be str, not {type(text).__name__}")
+        if self.limit > 0 and text:
+            self._parts.append(text)
+            self._size += len(text)
+            if self._size > 2 * self.limit + 4096:
+                kept = "".join(self._parts)[-self.limit:]
+                self._parts, self._size = [kept], len(kept)
+        return len(text)
+
+    def writelines(self, lines) -> None:
+        for line in lines:
+            self.write(line)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return False
+
+    def writable(self) -> bool:
+        return True
+
+    @property
+    def buffer(self) -> Any:
+        """For ``sys.stdout.buffer.write(b"...")``: bytes kept as UTF-8 text."""
+        return _CapturedBytes(self)
+
+    def text(self) -> str:
+        return "".join(self._parts)
+
+
+class _CapturedBytes:
+    def __init__(self, captured: _Captured):
+        self._captured = captured
+
+    def write(self, data: bytes) -> int:
+        self._captured.write(bytes(data).decode("utf-8", errors="replace"))
+        return len(data)
+
+    def flush(self) -> None:
+        pass
+
+
+class _Routed:
+    """sys.stdout or sys.stderr while in-process handlers run: a thread
+    running a handler writes into that handler's _Captured, any other
+    thread (the worker's, the application's) to the stream that was there
+    before."""
+
+    def __init__(self, name: str, original: Any):
+        self._name = name
+        self._original = original
+
+    def _target(self) -> Any:
+        return getattr(_capture, self._name, None) or self._original
+
+    def write(self, text: str) -> int:
+        target = self._target()
+        return len(text) if target is None else target.write(text)  # None: started with it closed
+
+    def writelines(self, lines) -> None:
+        for line in lines:
+            self.write(line)
+
+    def flush(self) -> None:
+        target = self._target()
+        if target is not None:
+            target.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._target(), name)
+
+
+_capture = threading.local()  # .stdout, .stderr: the running handler's _Captured, in its thread
+_capture_lock = threading.Lock()
+_capturing = 0  # handlers running in this process with their output captured
+_routed: tuple[Any, Any] | None = None  # the (_Routed, _Routed) in place while any is
+
+
+def _begin_capture(limit: int) -> None:
+    """Route this thread's sys.stdout and sys.stderr into captures of their
+    own until _end_capture; they are put in place while any handler runs."""
+    global _capturing, _routed
+    with _capture_lock:
+        if _capturing == 0:
+            _routed = (_Routed("stdout", sys.stdout), _Routed("stderr", sys.stderr))
+            sys.stdout, sys.stderr = _routed
+        _capturing += 1
+    _capture.stdout, _capture.stderr = _Captured(limit), _Captured(limit)
+
+
+def _end_capture() -> tuple[str, str]:
+    """What this thread's handler printed; the streams are put back once
+    no handler runs (unless someone else has replaced them since)."""
+    global _capturing, _routed
+    out, err = _capture.stdout, _capture.stderr
+    _capture.stdout = _capture.stderr = None
+    with _capture_lock:
+        _capturing -= 1
+        if _capturing == 0 and _routed is not None:
+            if sys.stdout is _routed[0]:
+                sys.stdout = _routed[0]._original
+            if sys.stderr is _routed[1]:
+                sys.stderr = _routed[1]._original
+            _routed = None
+    return out.text(), err.text()
+
+
+def _tail_text(text: str, limit: int) -> str:
+    """The last ``limit`` bytes of ``text`` in UTF-8, as _tail gives a command's."""
+    if limit <= 0 or not text:
+        return ""
+    data = text.encode("utf-8", "backslashreplace")
+    return data[-limit:].decode("utf-8", errors="replace") if len(data) > limit else text
+
+
 def call_handler(handler: Callable[[Any], Any] | None, job: dict, limits: Limits, handle: RunHandle) -> Outcome:
-    """Run a handler job in this process (no timeout possible)."""
+    """Run a handler job in this process (no timeout possible); what it
+    prints in this thread becomes the job's stdout and stderr."""
     out = Outcome(start=time.time())
-    with handle._lock:
-        handle.inline = True
-    worker_pid = os.getpid()
+    _begin_capture(limits.output_limit)
     try:
-        _call_into(out, handler, job, limits)
+        with handle._lock:
+            handle.inline = True
+        worker_pid = os.getpid()
+        try:
+            _call_into(out, handler, job, limits)
+        finally:
+            if os.getpid() != worker_pid:
+                # A child the handler forked has returned from it: going on, it
+                # would be a second worker running jobs the first already ran.
+                _end_forked_child(out)
+            _leave_inline(handle)
     finally:
-        if os.getpid() != worker_pid:
-            # A child the handler forked has returned from it: going on, it
-            # would be a second worker running jobs the first already ran.
-            _end_forked_child(out)
-        _leave_inline(handle)
+        printed, printed_err = _end_capture()  # (out of the window a forced stop is raised in)
+    out.stdout = _tail_text(printed, limits.output_limit)
+    out.stderr = _tail_text(printed_err + (out.stderr or ""), limits.output_limit)  # then the traceback, if any
     out.end = time.time()
     return out
 
@@ -550,13 +701,18 @@ def call_handler(handler: Callable[[Any], Any] | None, job: dict, limits: Limits
 def _end_forked_child(out: Outcome) -> None:
     """End a process a handler forked, where it returned: its exit status
     what it asked with sys.exit() (as Python would give it), else 0 for a
-    return and 1 for an exception; what it printed flushed first."""
+    return and 1 for an exception; what it printed flushed first (to the
+    worker's streams: its job's record is the worker's to write)."""
     code = 0 if out.error is None else 1
     if out.exit_request is not _NO_RESULT:
         request = out.exit_request
         code = request if isinstance(request, int) else (0 if request is None else 1)
-    for stream in (sys.stdout, sys.stderr):
+    captured = (getattr(_capture, "stdout", None), getattr(_capture, "stderr", None))
+    for stream, text in zip((sys.stdout, sys.stderr), captured):
+        stream = getattr(stream, "_original", stream)
         try:
+            if text is not None:
+                stream.write(text.text())
             stream.flush()
         except (OSError, ValueError, AttributeError):
             pass
@@ -606,9 +762,11 @@ def fork_handler(
     out = Outcome(start=time.time())
     _load_prctl()
     result_fd = _memfd("spoolq-result")
+    outputs: tuple[int, ...] = ()
     parent = os.getpid()
     before = procs.boot_ticks()
     try:
+        outputs = make_outputs()
         pid = os.fork()
         started = time.monotonic()
         if pid == 0:  # the child: run, write the outcome, leave without cleanup
@@ -622,8 +780,22 @@ def fork_handler(
                 # a timeout's SIGTERM must end the handler, not "stop a worker".
                 for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                     signal.signal(sig, signal.SIG_DFL)
+                # Its output is the job's, as a command's is. Fresh streams:
+                # the worker's may hold text it buffered but did not write yet.
+                os.dup2(outputs[0], 1)
+                os.dup2(outputs[1], 2)
+                # Line-buffered: what it printed before a timeout killed it is kept.
+                sys.stdout = open(1, "w", encoding="utf-8", errors="backslashreplace", closefd=False, buffering=1)
+                sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False, buffering=1)
                 child = Outcome(start=out.start)
-                _call_into(child, handler, job, limits)
+                try:
+                    _call_into(child, handler, job, limits)
+                finally:
+                    for stream in (sys.stdout, sys.stderr):
+                        try:
+                            stream.flush()
+                        except (OSError, ValueError, AttributeError):
+                            pass
                 report = {"error": child.error, "tb": child.stderr, "permanent": child.permanent}
                 if child.has_result:
                     report["result"] = child.result
@@ -644,7 +816,7 @@ def fork_handler(
                 pass
             if handle.interrupted:
                 handle.kill()
-            out.timed_out = _supervise(pid, limits, handle, on_slow=on_slow, started=started)
+            out.timed_out = _supervise(pid, limits, handle, outputs, limits.output_limit, on_slow=on_slow, started=started)
         except BaseException:
             _killpg(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
@@ -670,13 +842,15 @@ def fork_handler(
             out.error = f"the handler process died ({'signal ' + str(-code) if code < 0 else 'exit status ' + str(code)})"
         else:
             out.error = report.get("error")
-            out.stderr = report.get("tb")
             out.permanent = bool(report.get("permanent"))
             if "result" in report:
                 out.result = report["result"]
+        out.stdout = _tail(outputs[0], limits.output_limit)
+        out.stderr = _tail_text(_tail(outputs[1], limits.output_limit) + ((report or {}).get("tb") or ""), limits.output_limit)
         return out
     finally:
         os.close(result_fd)
+        close_all(list(outputs))
 
 
 _prctl: Any = None

@@ -536,7 +536,10 @@ class Spool:
 
         Without ``watch`` it recovers abandoned jobs, runs every due job and
         returns when none is due. ``handlers`` maps a job's ``kind`` to a
-        function called with its payload. ``jobs`` runs that many at once.
+        function called with its payload; what a handler prints is its
+        job's output. ``jobs`` runs that many at once. ``log``: a
+        logging.Logger for the worker's lines (by default the ``spoolq``
+        logger's records, shown as logging is configured).
         """
         from .worker import Worker
 

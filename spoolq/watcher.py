@@ -118,7 +118,7 @@ class InotifyWaker(Waker):
             # No inotify here (watch limit, instance limit, unsupported
             # filesystem): degrade to frequent timed rescans, do not die.
             self.rescan_interval = min(self.rescan_interval or DEGRADED_RESCAN, DEGRADED_RESCAN)
-            self.log.line(f"watch unavailable ({e}); rescanning every {self.rescan_interval:g}s instead", 0)
+            self.log.line(f"watch unavailable ({e}); rescanning every {self.rescan_interval:g}s instead", 0, logging.WARNING)
             self._observer = None
             self._unavailable = True
             return
@@ -135,7 +135,7 @@ class InotifyWaker(Waker):
             if observer is not None and observer.is_alive() and self._identity == self._identity_now():
                 return
             if observer is not None:
-                self.log.line("watch lost (observer died or new/ replaced); restarting it", 0)
+                self.log.line("watch lost (observer died or new/ replaced); restarting it", 0, logging.WARNING)
                 self._stop_observer()
             self._start_observer()
 

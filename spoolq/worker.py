@@ -14,25 +14,27 @@ job or the periodic rescan wakes it.
 
 Signals (when run from the main thread): the first SIGTERM or SIGINT stops
 claiming and lets running jobs finish; a second kills them (they go back to
-failed/, due now, the run counted). SIGHUP rereads config.json.
+failed/, due now, the run counted). SIGHUP rereads config.json. SIGUSR1 and
+SIGUSR2 mean something only to a worker process of a pool (see pool.py);
+any other worker ignores them (if they were at their default, which would
+end the process and leave its registration and jobs behind).
 """
 
 from __future__ import annotations
 
 import collections
 import ctypes
+import logging
 import os
 import queue
 import signal
-import sys
 import threading
 import time
 from typing import Any, Callable, TextIO
 
 from . import config, procs, transitions
-from .output import one_line
+from .output import LOGGER, LinePrinter, one_line
 from .protocol import Entry
-from .record import rfc3339
 from .registry import Registration
 from .runner import Limits, Outcome, RunHandle, call_handler, close_all, fork_handler, inheritable_fds, make_outputs, run_process
 
@@ -65,6 +67,8 @@ COMPACT_CHECK_SECONDS = 60.0  # ... or this long
 READ_AHEAD = 256  # a pass whose files went cold is read ahead by up to this many files ...
 PROBE_CLAIMS = 64  # ... once an eighth of this many claims in a row waited for the disk
 RELAYED_SIGNALS = procs.RELAYED_SIGNALS  # stop, stop now: from the parent of a worker pool
+STOPPING = "no new jobs; running jobs finish (a second SIGTERM or SIGINT kills them)"
+STOPPING_NOW = "running jobs are killed and go back to failed/"
 
 
 class ForcedStop(BaseException):
@@ -72,31 +76,81 @@ class ForcedStop(BaseException):
 
 
 class Log:
-    """One grep-friendly line per job outcome on a stream (stderr)."""
+    """A worker's log: one grep-friendly line per job outcome or event.
 
-    def __init__(self, stream: TextIO | None = None, level: int = 1):
-        self.stream = stream if stream is not None else sys.stderr
-        self.level = level  # 0 quiet (problems only), 1 outcomes, 2 verbose
-        # Re-entrant: a signal handler (which runs on the main thread, maybe in
-        # the middle of a line) logs too, and must not wait for itself.
-        self._lock = threading.RLock()
+    The lines are records of the ``spoolq`` logger (or of ``logger``), each
+    with a level: ERROR for a job gone dead and for errors, WARNING for a
+    failed run and what else wants a look, INFO for the rest, DEBUG for the
+    verbose lines. ``spoolq work`` prints them (output.log_to_stderr); a
+    program that configures logging gets them like any library's. Given a
+    ``stream``, the lines are printed on it instead, as ``spoolq work``
+    prints them. ``level`` is how much is logged at all: 0 problems only
+    (``spoolq work -q``), 1 outcomes, 2 verbose."""
 
-    def line(self, text: str, level: int = 1) -> None:
-        if level > self.level or self.stream is None:  # None: started with stderr closed
+    def __init__(self, stream: TextIO | None = None, level: int = 1, logger: Any = None):
+        self.level = level
+        self.logger = logger if logger is not None else logging.getLogger(LOGGER)
+        self._printer = LinePrinter(stream) if stream is not None else None
+
+    def line(self, text: str, level: int = 1, severity: int | None = None) -> None:
+        """Log ``text`` if ``level`` is within this log's; ``severity`` (a
+        logging level) defaults to ERROR, INFO and DEBUG for levels 0, 1, 2."""
+        if level > self.level:
             return
-        stamp = rfc3339()[:23] + "Z"
+        if severity is None:
+            severity = _SEVERITY[level]
         text = one_line(text)  # a file name or an error quoted in it may hold any character
-        with self._lock:
-            try:
-                self.stream.write(f"{stamp} {text}\n")
-                self.stream.flush()
-            except (OSError, ValueError):
-                pass
+        if self._printer is not None:
+            self._printer.write(text, severity)
+        elif self.logger.isEnabledFor(severity):
+            self.logger.log(severity, text, stacklevel=2)
+
+
+_SEVERITY = {0: logging.ERROR, 1: logging.INFO, 2: logging.DEBUG}
+
+
+def as_log(log: Any) -> Any:
+    """A worker's Log for what Spool.work was given: a Log (or an object
+    with its ``line`` method) as it is, a logging.Logger (or adapter) to
+    take every line, or None for the ``spoolq`` logger (whose records
+    logging shows as configured)."""
+    if isinstance(log, Log) or callable(getattr(log, "line", None)):  # (a Log-like object, as before)
+        return log
+    if log is None:
+        return Log(level=2)
+    if isinstance(log, (logging.Logger, logging.LoggerAdapter)):
+        return Log(level=2, logger=log)
+    raise TypeError(f"log must be a logging.Logger, not {type(log).__name__}")
 
 
 def _quote(text: str) -> str:
     text = text.replace("\n", " ").replace('"', "'")
     return f'"{text[:200]}"'
+
+
+def log_what_waits(spool_dir: Any, log: Log) -> None:
+    """Log, as ``spoolq work`` ends, how many jobs wait in failed/ and when
+    the first of them is due again, and how many are dead: a worker run from
+    cron exits 0 whatever its jobs did, so this line is what its mail says.
+    Nothing when there are neither. A failed job's due time is its file's
+    modification time, so this is one listing of each folder."""
+    try:
+        failed, next_due = 0, None
+        for _name, st in spool_dir.entries("failed"):
+            failed += 1
+            if next_due is None or st.st_mtime < next_due:
+                next_due = st.st_mtime
+        dead = spool_dir.count("dead")
+    except Exception:  # (a folder made unreadable meanwhile) a note must not fail a clean exit
+        return
+    parts = []
+    if failed:
+        when = "due now" if next_due <= time.time() else time.strftime("at %Y-%m-%dT%H:%M:%SZ", time.gmtime(next_due))
+        parts.append(f"{failed} job{'s wait' if failed != 1 else ' waits'} in failed/ (next retry {when})")
+    if dead:
+        parts.append(f"{dead}{'' if failed else ' job' if dead == 1 else ' jobs'} dead (spoolq list --state dead)")
+    if parts:
+        log.line("stopped: " + ", ".join(parts), 0, logging.WARNING)
 
 
 class Waker:
@@ -203,7 +257,7 @@ class Worker:
         self.max_time = max_time
         self.watch = watch
         self.poll = poll
-        self.log = log or Log(level=0)
+        self.log = as_log(log)
         self.signals = signals
         # One of several worker processes behind `spoolq work -j N` (see
         # pool.py): the parent passes stop signals on as SIGUSR1 (stop
@@ -320,8 +374,22 @@ class Worker:
         if signum == signal.SIGHUP:
             self.reload()
             return
-        if signum in RELAYED_SIGNALS:  # (handled only in a worker pool's process)
+        name = signal.Signals(signum).name
+        # The stop lines name the signal the user sent: the pool's parent
+        # says it for all its workers (see pool.py), so what one of them is
+        # passed on is told only in verbose logs.
+        verbosity, stopping = 1, STOPPING
+        if signum in RELAYED_SIGNALS:
+            if not self.relayed:
+                self.log.line(f"worker={self._wid} signal={name} ignored: this worker stops on SIGTERM or SIGINT", 0, logging.WARNING)
+                return
             level = 1 if signum == signal.SIGUSR1 else 2
+            verbosity = 2
+            if level == 1 and os.getppid() != self._pool_parent:
+                name, verbosity = "the exit of its pool's parent process", 1
+                stopping = stopping.replace("a second", "a")
+            else:
+                name = f"{name} passed on by the pool"
         elif self.relayed and os.getppid() == self._pool_parent:
             return  # the parent passes it on
         else:
@@ -334,10 +402,11 @@ class Worker:
         self._stop_signals = level
         if level == 1:
             self.stop()
-            self.log.line(f"worker={self._wid} signal={signal.Signals(signum).name} stopping: no more claims, running jobs finish", 1)
+            self.log.line(f"worker={self._wid} stopping on {name}: {stopping}", verbosity)
             return
         self.stop(force=True)
-        self.log.line(f"worker={self._wid} signal={signal.Signals(signum).name} stopping now: running jobs are killed and go back to failed/", 0)
+        self.log.line(f"worker={self._wid} stopping now on {name}: {STOPPING_NOW}", 0 if verbosity == 1 else verbosity,
+                      logging.WARNING)
         handle = self._running.get(threading.main_thread().ident)
         if handle is not None and handle.inline:
             raise ForcedStop()
@@ -377,8 +446,9 @@ class Worker:
         self.registration.start_flusher()
         old_handlers = {}
         if self.signals and threading.current_thread() is threading.main_thread():
-            for sig in procs.DIRECT_SIGNALS + (RELAYED_SIGNALS if self.relayed else ()):
-                old_handlers[sig] = signal.signal(sig, self._on_signal)
+            for sig in procs.DIRECT_SIGNALS + RELAYED_SIGNALS:
+                if self.relayed or sig not in RELAYED_SIGNALS or signal.getsignal(sig) == signal.SIG_DFL:
+                    old_handlers[sig] = signal.signal(sig, self._on_signal)
         threads: list[threading.Thread] = []
         try:
             if self.max_time is not None:
@@ -447,11 +517,12 @@ class Worker:
             self.log.line(
                 f"worker={self._wid} recovered: failed={report.recovered} dead={report.dead} "
                 f"completed={report.completed} quarantined={report.quarantined} killed={report.killed}",
-                0,
+                0, logging.ERROR if report.dead else logging.WARNING,
             )
         if report.left_running:
             self.log.line(f"worker={self._wid} left {report.left_running} jobs of dead workers in cur/: "
-                          "their processes still run and are another user's to kill (recovered by the first recovery after they end)", 0)
+                          "their processes still run and are another user's to kill (recovered by the first recovery after they end)", 0,
+                          logging.WARNING)
         if removed:
             self.log.line(f"worker={self._wid} removed {removed} stale tmp/ files", 1)
 
@@ -1035,4 +1106,4 @@ class Worker:
             parts.append(f"retry_in={max(0.0, due - time.time()):.1f}s")
         if out.error:
             parts.append(f"error={_quote(out.error)}")
-        self.log.line(" ".join(parts), 0 if dest == "dead" else 1)
+        self.log.line(" ".join(parts), 0 if dest == "dead" else 1, logging.WARNING if dest == "failed" else None)

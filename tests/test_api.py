@@ -113,6 +113,70 @@ def test_results_exceptions_permanent_and_unknown_kinds(q):
     assert q.get(unknown)["result"] == "finally"
 
 
+def test_handlers_running_side_by_side_in_threads_each_keep_what_they_print(q, capsys):
+    """Spool.work(jobs=2) runs handlers in threads of the caller's process:
+    each job gets what its own handler printed, even while both print at
+    once, and the caller's output gets none of it."""
+    import sys
+    import threading
+
+    both_running = threading.Barrier(2, timeout=60)
+
+    def talk(name):
+        print(f"{name} before")
+        both_running.wait()  # the other handler is running (and printing) too
+        print(f"{name} after")
+        print(f"{name} warns", file=sys.stderr)
+
+    a = q.enqueue(kind="talk", payload="a")
+    b = q.enqueue(kind="talk", payload="b")
+    stdout_before = sys.stdout
+    q.work(handlers={"talk": talk}, jobs=2)
+    for job_id, name in ((a, "a"), (b, "b")):
+        job = q.get(job_id)
+        assert job["state"] == "done", job
+        assert job["stdout"] == f"{name} before\n{name} after\n" and job["stderr"] == f"{name} warns\n", job
+    assert sys.stdout is stdout_before
+    printed = capsys.readouterr()
+    assert "before" not in printed.out and "warns" not in printed.err
+
+
+def test_work_logs_to_a_logging_logger_with_levels(q):
+    """Spool.work(log=a logging.Logger): the worker's lines are that
+    logger's records, with levels: ERROR for a job gone dead, WARNING for a
+    failed run, INFO for a success."""
+    import logging
+
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+
+    logger = logging.getLogger("test_work_logs_to_a_logging_logger")
+    logger.addHandler(Keep())
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    q.config_set("backoff_initial", 0)
+    ok = q.enqueue(command="true")
+    bad = q.enqueue(command="exit 3", max_attempts=2)
+    q.work(log=logger)
+    levels = {(r.levelno, m) for r in records for m in (r.getMessage(),)}
+    assert any(level == logging.INFO and f"job={ok} outcome=succeeded" in m for level, m in levels), levels
+    assert any(level == logging.WARNING and f"job={bad} outcome=failed" in m for level, m in levels), levels
+    assert any(level == logging.ERROR and f"job={bad} outcome=dead" in m for level, m in levels), levels
+
+
+def test_work_logs_through_the_spoolq_logger_by_default(q, caplog):
+    import logging
+
+    q.enqueue(command="exit 3", max_attempts=1, id="doomed")
+    with caplog.at_level(logging.INFO, logger="spoolq"):
+        q.work()
+    assert [(r.name, r.levelno) for r in caplog.records if "job=doomed outcome=dead" in r.getMessage()] == [
+        ("spoolq", logging.ERROR)]
+
+
 def test_a_handler_that_loops_forever_is_stopped_by_its_timeout(q):
     def spin(payload):
         while True:

@@ -174,12 +174,28 @@ def test_sigterm_lets_the_running_job_finish(fast_spool, tmp_path):
     assert "stopping" in err
 
 
-def _await_line(proc: subprocess.Popen, text: str) -> None:
-    """Read the worker's stderr until a line containing ``text`` arrives."""
-    for line in proc.stderr:
-        if text in line:
-            return
-    raise AssertionError(f"the worker ended without logging {text!r}")
+def _await_line(proc: subprocess.Popen, text: str, timeout: float = 60) -> None:
+    """Read the worker's stderr until a line containing ``text`` arrives
+    (fail if none has within ``timeout`` seconds). Read from the descriptor
+    itself, so nothing waits unseen in a buffer of the pipe's file object."""
+    import select
+
+    fd = proc.stderr.fileno()
+    pending = proc.__dict__.setdefault("_unread", bytearray())  # read, not yet looked at
+    deadline = time.monotonic() + timeout
+    while True:
+        while b"\n" in pending:
+            line, _, rest = bytes(pending).partition(b"\n")
+            pending[:] = rest
+            if text in line.decode("utf-8", "replace"):
+                return
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            raise AssertionError(f"the worker logged no {text!r} within {timeout}s")
+        data = os.read(fd, 65536)
+        if not data:
+            raise AssertionError(f"the worker ended without logging {text!r}")
+        pending += data
 
 
 def test_a_second_signal_kills_the_job_and_keeps_it(fast_spool, tmp_path):
@@ -189,7 +205,7 @@ def test_a_second_signal_kills_the_job_and_keeps_it(fast_spool, tmp_path):
     worker = s.popen("work", stderr=subprocess.PIPE, text=True)
     wait_for(started.exists, what="the job to start")
     worker.send_signal(signal.SIGINT)
-    _await_line(worker, "stopping: no more claims")  # the first signal was handled
+    _await_line(worker, "stopping on SIGINT: no new jobs; running jobs finish")  # the first signal was handled
     worker.send_signal(signal.SIGTERM)
     worker.communicate(timeout=60)
     assert worker.returncode == 0
@@ -199,6 +215,84 @@ def test_a_second_signal_kills_the_job_and_keeps_it(fast_spool, tmp_path):
     assert os.stat(s.path / "failed" / f"{job_id}.json").st_mtime <= time.time()  # due now
     s.run("work", "--max-jobs", "0")  # nothing left in cur/ for recovery either
     assert s.ids("cur") == []
+
+
+def _registrations(s) -> list[str]:
+    return [n for n in os.listdir(s.path / "workers") if not n.startswith(".")]
+
+
+def test_a_lone_worker_ignores_sigusr1_and_sigusr2_and_names_the_stop_signals(fast_spool, tmp_path):
+    """SIGUSR1 and SIGUSR2 are a worker pool's own signals: sent by hand to
+    a `work -j 1` worker they are logged and ignored, not the end of it
+    with its registration left behind. A stop names the signal sent and
+    what a second one does; after it nothing of the worker is left."""
+    s = fast_spool
+    started = tmp_path / "started"
+    job_id = s.enqueue(f"touch {started}; exec sleep 300")
+    worker = s.popen("work", "--watch", stderr=subprocess.PIPE, text=True)
+    wait_for(started.exists, what="the job to start")
+    for sig in (signal.SIGUSR1, signal.SIGUSR2):
+        worker.send_signal(sig)
+        _await_line(worker, f"signal={sig.name} ignored: this worker stops on SIGTERM or SIGINT")
+    assert worker.poll() is None and s.where(job_id) == ["cur"]
+    worker.send_signal(signal.SIGTERM)
+    _await_line(worker, "stopping on SIGTERM: no new jobs; running jobs finish (a second SIGTERM or SIGINT kills them)")
+    worker.send_signal(signal.SIGINT)
+    _await_line(worker, "stopping now on SIGINT: running jobs are killed and go back to failed/")
+    worker.communicate(timeout=60)
+    assert worker.returncode == 0
+    assert s.where(job_id) == ["failed"] and _registrations(s) == []
+
+
+def test_a_worker_pool_logs_the_stop_signal_it_was_sent(fast_spool, tmp_path):
+    """`work -j 2` passes a stop on to its worker processes as SIGUSR1 or
+    SIGUSR2; its log says SIGTERM or SIGINT, as sent, once. SIGUSR1 sent
+    to the command itself is ignored."""
+    s = fast_spool
+    started = tmp_path / "started"
+    job_id = s.enqueue(f"touch {started}; exec sleep 300")
+    command = s.popen("work", "--watch", "-j", "2", stderr=subprocess.PIPE, text=True)
+    wait_for(started.exists, what="the job to start")
+    wait_for(lambda: len(s.status()["workers"]) == 2, what="both workers registered")
+    command.send_signal(signal.SIGUSR1)
+    _await_line(command, "signal=SIGUSR1 ignored: spoolq work -j 2 stops on SIGTERM or SIGINT")
+    command.send_signal(signal.SIGINT)
+    _await_line(command, "stopping on SIGINT: no new jobs; running jobs finish (a second SIGTERM or SIGINT kills them)")
+    assert s.where(job_id) == ["cur"]
+    command.send_signal(signal.SIGTERM)
+    _, err = command.communicate(timeout=60)
+    assert command.returncode == 0, err
+    assert "stopping now on SIGTERM: running jobs are killed and go back to failed/" in err
+    assert "stopping" not in err.split("stopping now on SIGTERM")[1], err  # once, not once per worker process
+    assert s.where(job_id) == ["failed"] and _registrations(s) == []
+
+
+def test_spool_work_in_a_program_ignores_sigusr1(fast_spool, tmp_path):
+    """A program calling Spool.work(jobs=2) from its main thread: SIGUSR1,
+    left at its default by the program, does not end it; SIGTERM stops it
+    and its registration goes."""
+    s = fast_spool
+    started = tmp_path / "started"
+    s.enqueue(f"touch {started}; sleep 1")
+    program = tmp_path / "prog.py"
+    program.write_text(
+        "import sys\n"
+        "from spoolq import Spool\n"
+        "from spoolq.worker import Log\n"
+        "Spool(sys.argv[1]).work(jobs=2, watch=True, log=Log(sys.stderr, 1))\n")
+    proc = subprocess.Popen([sys.executable, str(program), str(s.path)], stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(started.exists, what="the job to start")
+        proc.send_signal(signal.SIGUSR1)
+        _await_line(proc, "signal=SIGUSR1 ignored")
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert _registrations(s) == [] and s.status()["done"] == 1
 
 
 def test_a_second_signal_stops_an_in_process_handler(fast_spool, tmp_path):
@@ -214,7 +308,7 @@ def test_a_second_signal_stops_an_in_process_handler(fast_spool, tmp_path):
     worker = s.popen("work", "--app", "loop_app:HANDLERS", cwd=str(tmp_path), stderr=subprocess.PIPE, text=True)
     wait_for(lambda: marker.exists() and marker.read_text(), what="the handler to start")
     worker.send_signal(signal.SIGTERM)
-    _await_line(worker, "stopping: no more claims")
+    _await_line(worker, "stopping on SIGTERM: no new jobs; running jobs finish")
     worker.send_signal(signal.SIGTERM)
     worker.communicate(timeout=60)
     assert s.where(job_id) == ["failed"] and s.record("failed", job_id)["attempts"] == 1

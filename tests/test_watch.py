@@ -160,7 +160,7 @@ def test_a_second_signal_kills_the_job_and_keeps_it(fast_spool, watcher_factory,
     job_id = s.enqueue(f"touch {started}; exec sleep 300")
     wait_for(started.exists, what="the job to start")
     w.proc.send_signal(signal.SIGTERM)
-    w.wait_log("stopping: no more claims")
+    w.wait_log("stopping on SIGTERM: no new jobs; running jobs finish")
     w.proc.send_signal(signal.SIGTERM)
     w.proc.wait(timeout=60)
     assert w.proc.returncode == 0

@@ -120,7 +120,7 @@ def test_a_timeout_or_a_second_signal_also_kills_what_left_the_process_group(fas
     worker = s.popen("work", stderr=subprocess.PIPE, text=True)
     wait_for(lambda: pids.exists() and pids.read_text(), what="the job to start")
     worker.send_signal(signal.SIGTERM)
-    wait_for(lambda: "stopping: no more claims" in worker.stderr.readline(), what="the first signal to be handled")
+    wait_for(lambda: "stopping on SIGTERM: no new jobs" in worker.stderr.readline(), what="the first signal to be handled")
     worker.send_signal(signal.SIGTERM)
     worker.communicate(timeout=60)
     assert s.where(stopped) == ["failed"]
@@ -460,7 +460,7 @@ def test_ctrl_c_reaching_the_whole_process_group_counts_once(fast_spool, tmp_pat
     assert worker.returncode == 0, err
     job = s.show(job_id)
     assert job["state"] == "done" and job["stdout"] == "finished\n", job
-    assert "stopping now" not in err and "stopping: no more claims" in err
+    assert "stopping now" not in err and err.count("stopping on SIGINT: no new jobs; running jobs finish") == 1, err
 
 
 def test_a_killed_worker_process_stops_the_others_and_its_job_is_recovered(fast_spool, tmp_path):
@@ -554,7 +554,8 @@ def test_handler_output_of_worker_processes_is_flushed_once(fast_spool, tmp_path
     proc = subprocess.run(SPOOLQ + ["-s", str(s.path), "work", "-j", "2", "--app", "printing_app:HANDLERS"],
                           cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert sorted(proc.stdout.splitlines()) == ["imported", "job 0", "job 1", "job 2", "job 3"], proc.stdout
+    assert proc.stdout.splitlines() == ["imported"], proc.stdout  # what the handlers print is their jobs'
+    assert sorted(s.show(i)["stdout"] for i in s.ids("done")) == [f"job {i}\n" for i in range(4)]
 
 
 def test_a_process_a_handler_forks_does_not_go_on_as_a_second_worker(fast_spool, tmp_path):
@@ -613,6 +614,55 @@ def test_a_forked_child_that_exits_from_a_handler_keeps_its_status_and_output(fa
     proc = s.run("work", "--app", "exitapp:HANDLERS", cwd=str(tmp_path))
     assert status.read_text().split() == ["0", "3"]
     assert proc.stdout.count("printed by the child") == 2
+
+
+@pytest.mark.parametrize("processes", ["1", "2"])
+def test_what_a_handler_prints_is_its_jobs_output_not_the_workers(fast_spool, tmp_path, processes):
+    """A handler's print() and writes to sys.stderr land in its job's
+    stdout and stderr tails, as a command's output does, whether it runs in
+    the worker or forked (a timeout), and not in the worker's own output
+    (cron's mail); the tails keep to output_limit."""
+    s = fast_spool
+    s.config("output_limit", 100)
+    (tmp_path / "talkapp.py").write_text(
+        "import sys, time\n"
+        "def say(payload):\n"
+        "    print('said', payload)\n"
+        "    print('warned', payload, file=sys.stderr)\n"
+        "    sys.stdout.buffer.write(b'raw\\n')\n"
+        "    sys.stdout.write('no newline')\n"
+        "    return payload\n"
+        "def fail(payload):\n"
+        "    print('before failing', payload)\n"
+        "    raise ValueError('bad payload')\n"
+        "def flood(payload):\n"
+        "    for i in range(20000):\n"
+        "        print(i)\n"
+        "    print('end', payload)\n"
+        "def hang(payload):\n"
+        "    print('about to hang')\n"
+        "    time.sleep(600)\n"
+        "HANDLERS = {'say': say, 'fail': fail, 'flood': flood, 'hang': hang}\n")
+    jobs = {}
+    for where, options in (("inline", []), ("forked", ["--timeout", "60"])):
+        for kind in ("say", "fail", "flood"):
+            jobs[where, kind] = s.enqueue("--kind", kind, "--payload", f'"{where}"', "--max-attempts", "1", *options)
+    hung = s.enqueue("--kind", "hang", "--max-attempts", "1", "--timeout", "1")
+    proc = s.run("work", "-j", processes, "--app", "talkapp:HANDLERS", cwd=str(tmp_path))
+    for where in ("inline", "forked"):
+        said = s.show(jobs[where, "say"])
+        assert said["state"] == "done" and said["result"] == where, said
+        assert said["stdout"] == f"said {where}\nraw\nno newline" and said["stderr"] == f"warned {where}\n", said
+        failed = s.show(jobs[where, "fail"])
+        assert failed["state"] == "dead" and failed["stdout"] == f"before failing {where}\n", failed
+        assert failed["stderr"].endswith("ValueError: bad payload\n"), failed
+        flooded = s.show(jobs[where, "flood"])
+        assert flooded["stdout"].endswith(f"19999\nend {where}\n") and len(flooded["stdout"].encode()) == 100, flooded
+    hung = s.show(hung)
+    assert hung["error"] == "timed out after 1s" and hung["stdout"] == "about to hang\n", hung  # what it printed before
+    assert proc.stdout == ""
+    for text in ("said", "warned", "before failing", "19999"):
+        assert text not in proc.stderr, proc.stderr
 
 
 def test_a_stop_while_the_worker_processes_start_ends_cleanly(fast_spool):
@@ -682,7 +732,7 @@ def test_a_stop_that_reaches_a_thread_of_the_app_still_stops_work_j2(fast_spool,
     assert libc.syscall(tgkill, proc.pid, app_threads[0], signal.SIGTERM) == 0
     _, err = proc.communicate(timeout=20)  # not asleep until a worker ends (never, watching)
     assert proc.returncode == 0, err
-    assert err.count("signal=SIGUSR1 stopping") == 2
+    assert err.count("stopping on SIGTERM: no new jobs") == 1 and "SIGUSR" not in err, err
 
 
 def _blocked_signals(pid: int) -> dict[int, int]:
@@ -757,7 +807,103 @@ def test_outcome_log_lines(fast_spool):
     assert any(f"job={ok} outcome=succeeded attempt=1/5" in line and "exit=0" in line for line in lines)
     assert any(f"job={bad} outcome=dead attempt=1/1" in line and "exit=3" in line for line in lines)
     s.enqueue("true")
-    assert s.work("--quiet").stderr == ""
+    quiet = s.work("--quiet").stderr.splitlines()  # no success; only what still wants a look
+    assert len(quiet) == 1 and quiet[0].endswith(" stopped: 1 job dead (spoolq list --state dead)"), quiet
+
+
+def _work_logging_to_a_pipe(s, journal: str | None, *args: str) -> str:
+    """``spoolq work ARGS`` with stderr a pipe and $JOURNAL_STREAM naming
+    that pipe ("match"), another file ("other") or unset (None): its stderr."""
+    import re
+
+    r, w = os.pipe()
+    env = dict(os.environ)
+    env.pop("SPOOLQ_DIR", None)
+    env.pop("JOURNAL_STREAM", None)
+    if journal:
+        st = os.fstat(w) if journal == "match" else os.stat(os.devnull)
+        env["JOURNAL_STREAM"] = f"{st.st_dev}:{st.st_ino}"
+    try:
+        proc = subprocess.Popen(SPOOLQ + ["-s", str(s.path), "work", *args], stderr=w, env=env)
+    finally:
+        os.close(w)
+    with os.fdopen(r) as f:
+        err = f.read()
+    assert proc.wait(timeout=120) == 0, err
+    if journal == "match":
+        assert re.search(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d", err) is None, err  # the journal has the time
+    return err
+
+
+def test_under_systemds_journal_log_lines_carry_syslog_priorities_and_no_time(fast_spool):
+    """With stderr connected to the journal ($JOURNAL_STREAM names it), a
+    worker prefixes its lines with sd-daemon priorities instead of a time
+    (the journal stamps lines itself): <3> for a job gone dead, so that
+    `journalctl -p err` finds it, <4> for a failed run, <6> for the rest."""
+    s = fast_spool
+    s.config("backoff_initial", 0)
+    ok = s.enqueue("true")
+    bad = s.enqueue("--max-attempts", "2", "exit 3")
+    lines = _work_logging_to_a_pipe(s, "match").splitlines()
+    assert any(line.startswith(f"<6>worker=") and f"job={ok} outcome=succeeded attempt=1/5" in line for line in lines), lines
+    assert any(line.startswith(f"<4>worker=") and f"job={bad} outcome=failed attempt=1/2" in line for line in lines), lines
+    assert any(line.startswith(f"<3>worker=") and f"job={bad} outcome=dead attempt=2/2" in line for line in lines), lines
+    assert all(line[:3] in ("<3>", "<4>", "<6>") for line in lines), lines
+
+
+@pytest.mark.parametrize("journal", [None, "other"])
+def test_log_lines_begin_with_the_time_unless_stderr_is_the_journal(fast_spool, journal):
+    """A time, as always, when $JOURNAL_STREAM is unset, or set (inherited
+    from a service) while stderr goes somewhere else."""
+    import re
+
+    s = fast_spool
+    job_id = s.enqueue("--max-attempts", "1", "exit 3")
+    lines = _work_logging_to_a_pipe(s, journal).splitlines()
+    assert lines and all(re.match(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z (worker=|stopped: )", line) for line in lines), lines
+    assert any(f"job={job_id} outcome=dead attempt=1/1" in line for line in lines), lines
+
+
+@pytest.mark.parametrize("args", [[], ["-j", "2"], ["--quiet"], ["--max-jobs", "3"]])
+def test_work_ends_saying_how_many_jobs_wait_in_failed_and_are_dead(fast_spool, args):
+    """A worker run from cron exits 0 whatever its jobs did: its last
+    stderr line says how many jobs wait for a retry, when the first is
+    due, and how many are dead. Nothing when there are none."""
+    import calendar
+
+    s = fast_spool
+    s.config("backoff_initial", "300")
+    failing = [s.enqueue("--max-attempts", "3", "exit 3") for _ in range(2)]
+    s.enqueue("--max-attempts", "1", "exit 4")
+    proc = s.work(*args)
+    assert sorted(s.ids("failed")) == sorted(failing) and len(s.ids("dead")) == 1
+    first_due = min(os.stat(s.path / "failed" / f"{i}.json").st_mtime for i in failing)
+    last = proc.stderr.splitlines()[-1]
+    when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(first_due))
+    assert last.endswith(f" stopped: 2 jobs wait in failed/ (next retry at {when}), 1 dead (spoolq list --state dead)"), last
+    assert 200 < calendar.timegm(time.strptime(when, "%Y-%m-%dT%H:%M:%SZ")) - time.time() < 400
+    for job_id in failing:
+        s.run("cancel", job_id)
+    assert s.work(*args).stderr.splitlines()[-1].endswith(" stopped: 1 job dead (spoolq list --state dead)")
+
+
+def test_a_stopped_watcher_says_what_waits_and_exits_0(fast_spool):
+    s = fast_spool
+    job_id = s.enqueue("--max-attempts", "1", "exit 3")
+    worker = s.popen("work", "--watch", stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: s.where(job_id) == ["dead"], what="the job to go dead")
+    s.enqueue("--max-attempts", "2", "--in", "1h", "true")
+    worker.send_signal(signal.SIGTERM)
+    _, err = worker.communicate(timeout=60)
+    assert worker.returncode == 0, err
+    assert err.splitlines()[-1].endswith(" stopped: 1 job dead (spoolq list --state dead)"), err
+
+
+def test_work_with_nothing_failed_or_dead_ends_without_a_note(fast_spool):
+    s = fast_spool
+    s.enqueue("true")
+    s.enqueue("--in", "1h", "true")
+    assert "stopped" not in s.work().stderr
 
 
 def test_a_job_inherits_only_stdin_stdout_and_stderr(fast_spool, tmp_path):
