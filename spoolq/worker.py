@@ -150,7 +150,9 @@ def log_what_waits(spool_dir: Any, log: Log) -> None:
     if dead:
         parts.append(f"{dead}{'' if failed else ' job' if dead == 1 else ' jobs'} dead (spoolq list --state dead)")
     if parts:
-        log.line("stopped: " + ", ".join(parts), 0, logging.WARNING)
+        # Not under -q (cron's mail, every minute): a dead job was told once,
+        # at ERROR, when it died, and a failed one is retried by design.
+        log.line("stopped: " + ", ".join(parts), 1, logging.WARNING)
 
 
 class Waker:

@@ -807,8 +807,9 @@ def test_outcome_log_lines(fast_spool):
     assert any(f"job={ok} outcome=succeeded attempt=1/5" in line and "exit=0" in line for line in lines)
     assert any(f"job={bad} outcome=dead attempt=1/1" in line and "exit=3" in line for line in lines)
     s.enqueue("true")
-    quiet = s.work("--quiet").stderr.splitlines()  # no success; only what still wants a look
-    assert len(quiet) == 1 and quiet[0].endswith(" stopped: 1 job dead (spoolq list --state dead)"), quiet
+    # Quiet (cron, every minute): no success, and no closing note about the
+    # dead job, which was told once, when it died.
+    assert s.work("--quiet").stderr == ""
 
 
 def _work_logging_to_a_pipe(s, journal: str | None, *args: str) -> str:
@@ -864,7 +865,7 @@ def test_log_lines_begin_with_the_time_unless_stderr_is_the_journal(fast_spool, 
     assert any(f"job={job_id} outcome=dead attempt=1/1" in line for line in lines), lines
 
 
-@pytest.mark.parametrize("args", [[], ["-j", "2"], ["--quiet"], ["--max-jobs", "3"]])
+@pytest.mark.parametrize("args", [[], ["-j", "2"], ["--max-jobs", "3"]])
 def test_work_ends_saying_how_many_jobs_wait_in_failed_and_are_dead(fast_spool, args):
     """A worker run from cron exits 0 whatever its jobs did: its last
     stderr line says how many jobs wait for a retry, when the first is
@@ -885,6 +886,17 @@ def test_work_ends_saying_how_many_jobs_wait_in_failed_and_are_dead(fast_spool, 
     for job_id in failing:
         s.run("cancel", job_id)
     assert s.work(*args).stderr.splitlines()[-1].endswith(" stopped: 1 job dead (spoolq list --state dead)")
+
+
+def test_a_quiet_worker_ends_without_the_note(fast_spool):
+    """-q is for cron's mail: each dead job is told once, when it dies, not
+    again by every run a minute after."""
+    s = fast_spool
+    s.enqueue("--max-attempts", "1", "exit 4")
+    first = s.work("-q").stderr.splitlines()
+    assert len(first) == 1 and "outcome=dead" in first[0], first
+    s.enqueue("--max-attempts", "3", "exit 3")
+    assert s.work("-q").stderr == ""
 
 
 def test_a_stopped_watcher_says_what_waits_and_exits_0(fast_spool):
