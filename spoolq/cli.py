@@ -372,7 +372,7 @@ def _read_jsonl(source: str, options: dict[str, Any]):
 @click.option("--poll", type=Seconds(min=0.01), metavar="SECONDS",
               help="Watch by rescanning every SECONDS (no inotify; for network filesystems). Implies --watch.")
 @click.option("-q", "--quiet", is_flag=True, help="Log only problems (dead jobs, errors).")
-@click.option("-v", "--verbose", is_flag=True, help="Log scans and claims as well.")
+@click.option("-v", "--verbose", is_flag=True, help="Log each scan of the waiting folders as well.")
 @click.pass_context
 def work(ctx, jobs, max_jobs, max_time, app, watch, poll, quiet, verbose):
     """Recover, then run due jobs until none is due (or forever with --watch)."""

@@ -364,3 +364,17 @@ def test_cancel_and_retry_with_check_raise_exceptions_the_package_exports(q):
         q.cancel(job_id, check=True)
     with pytest.raises(spoolq.NotPossible):
         q.retry(job_id, check=True)
+
+
+def test_work_logs_to_any_object_with_a_line_method(q):
+    """Spool.work(log=obj) with only a line() method, no level: it gets
+    every line, outcomes included."""
+    lines: list[str] = []
+
+    class Lines:
+        def line(self, text, level=1, severity=None):
+            lines.append(text)
+
+    job_id = q.enqueue(command="true")
+    assert q.work(log=Lines()) == 1
+    assert any(f"job={job_id} outcome=succeeded" in line for line in lines), lines
