@@ -526,7 +526,7 @@ def test_a_job_left_behind_by_a_killed_purge_and_retried_replaces_its_row(fast_s
     assert s.show(other)["outcome"] == "cancelled" and s.status()["dead_purged"] == 0
 
 
-def test_the_readme_queries_run_on_a_real_index(fast_spool):
+def test_the_documented_queries_run_on_a_real_index(fast_spool):
     import re
 
     from conftest import ROOT
@@ -537,7 +537,7 @@ def test_the_readme_queries_run_on_a_real_index(fast_spool):
     s.config("backoff_initial", 0)
     s.work("-q")
     s.run("compact")
-    queries = re.findall(r'sqlite3 (?:-box )?spool/index.db "(.*?)"', (ROOT / "README.md").read_text(), re.S)
+    queries = re.findall(r'sqlite3 (?:-box )?spool/index.db "(.*?)"', (ROOT / "docs" / "reference.md").read_text(), re.S)
     assert len(queries) == 3
     db = sqlite3.connect(s.path / "index.db")
     results = [db.execute(q).fetchall() for q in queries]
