@@ -31,6 +31,23 @@ def wait_for(condition, timeout: float = 30.0, interval: float = 0.02, what: str
         time.sleep(interval)
 
 
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie has ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+def strace_filters() -> bool:
+    """Whether strace runs here, with seccomp-bpf filtering (ptrace may be refused)."""
+    if shutil.which("strace") is None:
+        return False
+    return subprocess.run(["strace", "-f", "-qq", "--seccomp-bpf", "-e", "trace=execve", "-o", os.devnull, "true"],
+                          capture_output=True).returncode == 0
+
+
 class SpoolFixture:
     """A spool directory plus shortcuts to run spoolq against it."""
 
