@@ -48,6 +48,52 @@ def strace_filters() -> bool:
                           capture_output=True).returncode == 0
 
 
+def has_tuning_seam() -> bool:
+    """Whether ``Spool.work`` takes ``tuning=Tuning(...)``: the timings a
+    test may steer (how long -j 1 holds a prepared job, how long finished
+    jobs wait for their group sync, how long it polls for a short job's
+    exit, the load average it sees)."""
+    try:
+        from spoolq.worker import Tuning  # noqa: F401
+    except ImportError:
+        return False
+    import inspect
+
+    from spoolq import Spool
+
+    return "tuning" in inspect.signature(Spool.work).parameters
+
+
+needs_tuning = pytest.mark.skipif(not has_tuning_seam(), reason="needs the Tuning seam: Spool.work(tuning=Tuning(...))")
+
+_TUNED = """
+import json, sys
+from spoolq import Spool
+from spoolq.worker import Tuning
+tuning = json.loads(sys.argv[2])
+if "load_average" in tuning:
+    load = tuning.pop("load_average")
+    tuning["load_average"] = lambda: load
+try:
+    Spool(sys.argv[1]).work(jobs=int(sys.argv[3]), tuning=Tuning(**tuning), **json.loads(sys.argv[4]))
+except KeyboardInterrupt:
+    pass
+"""
+
+
+def tuned_worker(spool: "SpoolFixture", tuning: dict, jobs: int = 1, prefix: list[str] | None = None,
+                 **work) -> subprocess.Popen:
+    """A worker started by ``Spool(spool).work(jobs=jobs, tuning=Tuning(**tuning), **work)``
+    in a Python process of its own (under ``prefix``: taskset, a cgroup);
+    ``load_average`` in ``tuning`` is the number the worker is to see."""
+    env = dict(os.environ)
+    env.pop("SPOOLQ_DIR", None)
+    proc = subprocess.Popen((prefix or []) + [sys.executable, "-c", _TUNED, str(spool.path), json.dumps(tuning), str(jobs),
+                                              json.dumps(work)], env=env, stderr=subprocess.DEVNULL)
+    _started.append(proc)
+    return proc
+
+
 class SpoolFixture:
     """A spool directory plus shortcuts to run spoolq against it."""
 

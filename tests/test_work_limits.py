@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from conftest import SPOOLQ, wait_for, strace_filters
+from conftest import needs_tuning, tuned_worker, wait_for
 
 
 def test_worker_processes_of_work_j_do_not_keep_the_commands_descriptors(fast_spool):
@@ -173,92 +173,72 @@ def _remove_cgroup(path: str) -> None:
     os.rmdir(path)
 
 
-def _polled_pids(spool, *work_args: str, cpus: list[int], window: str = "30", load: str = "0",
-                 cgroup: str | None = None) -> tuple[set[int], set[int]]:
-    """Run ``spoolq work`` on the CPUs ``cpus`` (in ``cgroup``) under
-    strace, with the load average taken as ``load``; return the pids of the
-    job processes whose exit the worker polled for (waitid with WNOHANG and
-    WNOWAIT, see worker.SPIN_WINDOW) and of all the job processes."""
-    logs = spool.path.parent / "waitid"
-    shutil.rmtree(logs, ignore_errors=True)
-    logs.mkdir()
+def _worker_cpu_seconds(spool, argv: list[str], n: int, cpus: list[int], cgroup: str | None = None,
+                        jobs: int = 1, **tuning) -> float:
+    """Enqueue ``n`` jobs running ``argv`` and drain them with a worker on
+    the CPUs ``cpus`` (in ``cgroup``), tuned with ``tuning``; the CPU time
+    the worker and the jobs it reaped used. Jobs that sleep use next to
+    none: what is left is the worker's, and it shows whether the worker
+    burnt a CPU while it waited for them."""
+    spool.run("enqueue", "--jsonl", "-", input="".join(json.dumps({"argv": argv}) + "\n" for _ in range(n)))
     enter = ["sh", "-c", f'echo $$ > {cgroup}/cgroup.procs && exec "$@"', "sh"] if cgroup else []
-    # -ff: a file per process, so that no call is split in two ("unfinished"
-    # and "resumed") by another process's call in between.
-    subprocess.run(
-        enter + ["taskset", "-c", ",".join(map(str, cpus)),
-                 "strace", "-ff", "-qq", "--seccomp-bpf", "-e", "trace=waitid,execve", "-o", str(logs / "trace")]
-        + SPOOLQ + ["-s", str(spool.path), "work", *work_args],
-        capture_output=True, text=True, check=True, timeout=120,
-        env={**os.environ, "SPOOLQ_TEST_SPIN_WINDOW": window, "SPOOLQ_TEST_LOADAVG": load},
-    )
-    polled, jobs = set(), set()
-    for log in logs.iterdir():
-        pid = int(log.name.rsplit(".", 1)[1])
-        for call in log.read_text().splitlines():
-            if re.match(r"waitid\(P_PID, \d+, .*WNOHANG", call):
-                assert "WNOWAIT" in call, call  # polling must not reap: the runner reaps once it knows
-                polled.add(int(call.split(",")[1]))
-            elif re.match(r'execve\("[^"]*/(true|sleep|sh)"', call):
-                jobs.add(pid)
-    return polled, jobs
+    proc = tuned_worker(spool, tuning, jobs=jobs, prefix=enter + ["taskset", "-c", ",".join(map(str, cpus))])
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    assert proc.returncode == 0
+    assert spool.names("new") == [] and spool.names("cur") == []
+    return usage.ru_utime + usage.ru_stime
 
 
-@pytest.mark.skipif(not strace_filters() or shutil.which("taskset") is None or not _has_pidfd()
-                    or len(os.sched_getaffinity(0)) < 2, reason="needs strace (seccomp-bpf), taskset, pidfd and two CPUs")
-def test_a_lone_worker_polls_for_short_jobs_only_with_a_cpu_to_spare(fast_spool, tmp_path):
-    """-j 1 polls for a short job's exit rather than sleep (a VM's idle CPU
-    is slow to wake) only when it and its job can each have a CPU, the load
-    average is below the CPU count, and jobs are short: not with one CPU,
-    nor for two worker processes on two CPUs, nor under load, and after a
-    long job not for the next (a cgroup quota: the next test)."""
+needs_two_cpus = pytest.mark.skipif(shutil.which("taskset") is None or not _has_pidfd() or len(os.sched_getaffinity(0)) < 2,
+                                    reason="needs taskset, pidfd and two CPUs")
+
+
+@needs_tuning
+@needs_two_cpus
+def test_a_lone_worker_spends_a_cpu_waiting_for_short_jobs_only_when_it_has_one_to_spare(fast_spool, tmp_path):
+    """A lone worker may wait for a short job's exit on a spare CPU (a VM's
+    idle CPU is slow to wake) but never on the CPU its job needs: not with
+    one CPU, nor with the load average at the CPU count, nor for -j 2, nor
+    once a job was seen to run long. The witness is the CPU time the worker
+    uses while its jobs sleep (polling window and load average steered
+    through the Tuning seam); a job's exit status is its own either way."""
     s = fast_spool
     two = sorted(os.sched_getaffinity(0))[:2]
-
-    def enqueue(argv: list[str], n: int, **fields) -> None:
-        s.run("enqueue", "--jsonl", "-", input="".join(json.dumps({"argv": argv, **fields}) + "\n" for _ in range(n)))
-
-    enqueue(["true"], 5)
-    enqueue(["sh", "-c", "exit 3"], 1, cwd=str(tmp_path))  # a job with a cwd is started by Popen: polled too
-    polled, jobs = _polled_pids(s, cpus=two)
-    assert len(jobs) == 6 and polled == jobs  # two CPUs, one worker: every short job
-    assert len(s.ids("done")) == 5 and len(s.ids("failed")) == 1  # and each exit status is the job's own
-    assert s.show(s.ids("failed")[0])["exit_code"] == 3
-
-    enqueue(["true"], 6)
-    polled, jobs = _polled_pids(s, cpus=two[:1])
-    assert len(jobs) == 6 and not polled  # one CPU: the job needs it
-
-    enqueue(["true"], 6)
-    polled, jobs = _polled_pids(s, "-j", "2", cpus=two)
-    assert len(jobs) == 6 and not polled  # two workers and their jobs on two CPUs
-
-    enqueue(["true"], 6)
-    polled, jobs = _polled_pids(s, cpus=two, load="2.5")
-    assert len(jobs) == 6 and not polled  # a machine busier than its CPUs
-
-    enqueue(["sleep", "0.3"], 3)
-    polled, jobs = _polled_pids(s, cpus=two, window="0.1")
-    assert len(jobs) == 3 and len(polled) == 1 and polled < jobs  # only the first, before a job was seen to be long
-    assert len(s.ids("done")) == 26
+    sleeping = ["sleep", "0.5"]
+    baseline = _worker_cpu_seconds(s, sleeping, 3, two, spin_window=1e-6, load_average=0.0)
+    spent = _worker_cpu_seconds(s, sleeping, 3, two, spin_window=30.0, load_average=0.0)
+    assert spent > baseline + 0.6, (baseline, spent)  # two CPUs, one worker: it waited on the spare one
+    for label, cpus, jobs, load in (("one CPU", two[:1], 1, 0.0), ("busy machine", two, 1, 2.5), ("-j 2", two, 2, 0.0)):
+        spent = _worker_cpu_seconds(s, sleeping, 3, cpus, jobs=jobs, spin_window=30.0, load_average=load)
+        assert spent < baseline + 0.4, (label, baseline, spent)
+    # A window of 0.3 s and jobs of 1 s: the first is waited for on the CPU
+    # (up to 0.3 s of it), the next ones, after one was seen to run long, not.
+    spent = _worker_cpu_seconds(s, ["sleep", "1"], 4, two, spin_window=0.3, load_average=0.0)
+    assert baseline + 0.1 < spent < baseline + 1.0, (baseline, spent)
+    s.run("enqueue", "--cwd", str(tmp_path), "--argv", "--", "sh", "-c", "exit 3")  # started another way, waited for alike
+    _worker_cpu_seconds(s, ["true"], 2, two, spin_window=30.0, load_average=0.0)
+    assert len(s.ids("failed")) == 1 and s.show(s.ids("failed")[0])["exit_code"] == 3
 
 
-@pytest.mark.skipif(not strace_filters() or shutil.which("taskset") is None or not _has_pidfd()
-                    or len(os.sched_getaffinity(0)) < 2, reason="needs strace (seccomp-bpf), taskset, pidfd and two CPUs")
-def test_a_worker_under_a_one_cpu_quota_does_not_poll(fast_spool):
+@needs_tuning
+@needs_two_cpus
+def test_a_worker_under_a_one_cpu_quota_does_not_take_its_jobs_cpu(fast_spool):
     """Two CPUs to run on, but a cgroup quota of one (a container started
-    with --cpus 1): the job needs the CPU the worker would poll on."""
+    with --cpus 1): the job needs the CPU the worker would poll on, so
+    waiting for it costs the worker no CPU time."""
     cgroup = _cpu_cgroup(1.0) if os.geteuid() == 0 else None
     if cgroup is None:
         pytest.skip("cannot make a cgroup with a CPU quota here (needs root and a writable cpu controller)")
     s = fast_spool
+    two = sorted(os.sched_getaffinity(0))[:2]
+    sleeping = ["sleep", "0.5"]
     try:
-        s.run("enqueue", "--jsonl", "-", input=json.dumps({"argv": ["true"]}) + "\n")
-        polled, jobs = _polled_pids(s, cpus=sorted(os.sched_getaffinity(0))[:2])
-        assert len(jobs) == 1 and polled == jobs  # outside the cgroup: polled
-        s.run("enqueue", "--jsonl", "-", input="".join(json.dumps({"argv": ["true"]}) + "\n" for _ in range(6)))
-        polled, jobs = _polled_pids(s, cpus=sorted(os.sched_getaffinity(0))[:2], cgroup=cgroup)
-        assert len(jobs) == 6 and not polled  # inside: not
+        baseline = _worker_cpu_seconds(s, sleeping, 3, two, spin_window=1e-6, load_average=0.0)
+        outside = _worker_cpu_seconds(s, sleeping, 3, two, spin_window=30.0, load_average=0.0)
+        assert outside > baseline + 0.6, (baseline, outside)  # outside the cgroup: it waited on a spare CPU
+        inside = _worker_cpu_seconds(s, sleeping, 3, two, cgroup=cgroup, spin_window=30.0, load_average=0.0)
+        assert inside < baseline + 0.4, (baseline, inside)  # inside: not
     finally:
         _remove_cgroup(cgroup)
 
@@ -314,75 +294,17 @@ def _evict(paths) -> None:
             os.close(fd)
 
 
-def _cached(path) -> bool:
-    """Whether the first page of ``path`` is in the page cache (a read that
-    does not wait for the disk)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.preadv(fd, [bytearray(1)], 0, os.RWF_NOWAIT)
-        return True
-    except BlockingIOError:
-        return False
-    except OSError as e:  # RWF_NOWAIT not supported by this filesystem (overlayfs)
-        pytest.skip(f"cannot tell a cached page here: {e}")
-    finally:
-        os.close(fd)
-
-
-def _cold_reads_are_slow(folder) -> bool:
-    """Whether reading an evicted small file here waits long enough for a
-    worker to notice (protocol.SLOW_READ_NS): not on tmpfs, where nothing
-    leaves memory, nor on a disk as fast as memory."""
-    from spoolq.protocol import SLOW_READ_NS
-
-    folder.mkdir()
-    paths = [folder / str(i) for i in range(32)]
-    for p in paths:
-        p.write_bytes(b"{}" * 50)
-    _evict(paths)
-    slow = 0
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        began = time.perf_counter_ns()
-        os.pread(fd, 200, 0)
-        slow += time.perf_counter_ns() - began > SLOW_READ_NS
-        os.close(fd)
-    return slow >= 24
-
-
-def _willneeds(spool, *work_args: str) -> int:
-    """Run ``spoolq work`` under strace; how many files it read ahead."""
-    log = spool.path.parent / "fadvise.log"
-    subprocess.run(["strace", "-f", "-qq", "--seccomp-bpf", "-e", "trace=fadvise64", "-o", str(log)]
-                   + SPOOLQ + ["-s", str(spool.path), "work", *work_args],
-                   capture_output=True, text=True, check=True, timeout=120)
-    return sum("POSIX_FADV_WILLNEED" in line for line in log.read_text().splitlines())
-
-
-@pytest.mark.skipif(not strace_filters() or not hasattr(os, "RWF_NOWAIT"), reason="needs strace (seccomp-bpf) and preadv2")
-def test_a_drain_reads_ahead_once_its_files_have_left_the_page_cache(fast_spool, tmp_path):
+def test_a_backlog_that_left_the_page_cache_drains_each_job_once(fast_spool, tmp_path):
     """A backlog that waited long enough for the kernel to drop its files
-    from memory would cost each claim a disk read of its own: a worker
-    that sees its claims' reads wait asks the kernel to read the files
-    ahead (posix_fadvise WILLNEED), and one whose files are in memory
-    does not. Either way each job runs once."""
-    if not _cold_reads_are_slow(tmp_path / "probe"):
-        pytest.skip("reading an evicted file here is not slower than reading memory")
+    from memory (a worker then reads ahead what it will claim) drains as a
+    warm one does: every job runs once, nothing is left in new/ or cur/."""
     s = fast_spool
     n = 400
     s.run("enqueue", "--jsonl", "-", input='{"argv": ["true"]}\n' * n)
-    assert _willneeds(s, "--max-jobs", "100") == 0  # read from memory: nothing to read ahead
+    s.work("--max-jobs", "100")
     waiting = [s.path / "new" / name for name in s.names("new")]
     assert len(waiting) == n - 100
-    for _ in range(5):  # (a page still being written back, or just read, is not dropped at once)
-        _evict(waiting)
-        if not any(_cached(p) for p in waiting[-20:]):
-            break
-    else:
-        pytest.skip("the kernel kept these files in memory")
-    ahead = _willneeds(s)
-    # The first claims find out (one or two PROBE_CLAIMS of 64, three on a
-    # very busy host), the rest were read ahead, none twice.
-    assert (n - 100) // 3 <= ahead <= n - 100
+    _evict(waiting)
+    s.work()
     assert len(s.ids("done")) == n and not s.names("new") and not s.names("cur")
     assert all(s.record("done", i)["attempts"] == 1 for i in s.ids("done"))

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from conftest import SPOOLQ, wait_for, alive
+from conftest import SPOOLQ, alive, needs_tuning, tuned_worker, wait_for
 
 
 def test_a_job_sees_its_environment_payload_and_cwd(fast_spool, tmp_path):
@@ -219,12 +219,25 @@ def test_a_job_gets_sigpipe_and_sigxfsz_at_their_defaults(fast_spool):
     assert job["stdout"].split()[2:] == ["y"] and "stderr" not in job and job["state"] == "done"
 
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a worker polls only with a CPU to spare")
-def test_a_timeout_holds_while_the_worker_polls(fast_spool):
-    """A polling window longer than a job's timeout does not delay the kill."""
+def test_a_timeout_holds_while_the_worker_waits_for_the_job(fast_spool):
+    """However the worker waits for a job's exit (asleep, or polling on a
+    spare CPU), the job's timeout kills it on time."""
     job_id = fast_spool.enqueue("--timeout", "0.3", "--argv", "--", "sleep", "30")
     started = time.monotonic()
-    fast_spool.work(env={"SPOOLQ_TEST_SPIN_WINDOW": "20", "SPOOLQ_TEST_LOADAVG": "0"})
+    fast_spool.work()
     assert time.monotonic() - started < 15  # the job's 30 s sleep was cut short
+    job = fast_spool.show(job_id)
+    assert job["error"] == "timed out after 0.3s" and job["exit_code"] == -15
+
+
+@needs_tuning
+def test_a_timeout_holds_while_the_worker_polls_for_the_jobs_exit(fast_spool):
+    """A polling window (Tuning seam) longer than a job's timeout does not
+    delay the kill."""
+    job_id = fast_spool.enqueue("--timeout", "0.3", "--argv", "--", "sleep", "30")
+    started = time.monotonic()
+    worker = tuned_worker(fast_spool, {"spin_window": 20.0, "load_average": 0.0})
+    assert worker.wait(timeout=60) == 0
+    assert time.monotonic() - started < 15
     job = fast_spool.show(job_id)
     assert job["error"] == "timed out after 0.3s" and job["exit_code"] == -15
