@@ -10,10 +10,11 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from conftest import SPOOLQ, wait_for
+from conftest import SPOOLQ, needs_tuning, tuned_worker, wait_for
 
 
 def _alive(pid: int) -> bool:
@@ -378,8 +379,23 @@ def test_a_run_that_finished_but_was_not_moved_is_completed_not_rerun(fast_spool
     assert s.record("done", job_id)["attempts"] == record["attempts"] == 1
 
 
-def _staged(s) -> list[str]:
-    return sorted(n for n in os.listdir(s.path / "cur") if n.startswith(".staged."))
+def _pending_outcomes(s) -> dict[str, Path]:
+    """The outcomes a worker recorded but has not yet moved on: files in
+    cur/ beside its jobs that hold a job's record with its run's outcome,
+    whatever their names. Job id -> file."""
+    cur = s.path / "cur"
+    jobs = set(s.names("cur"))
+    pending = {}
+    for name in os.listdir(cur):
+        if name in jobs:
+            continue
+        try:
+            job = json.loads((cur / name).read_bytes())
+        except (OSError, ValueError):
+            continue  # (a file being written, or not a record)
+        if isinstance(job, dict) and job.get("state") in ("done", "failed", "dead") and job.get("history"):
+            pending[job["id"]] = cur / name
+    return pending
 
 
 def _kill_with_staged_outcomes(s, tmp_path, finished: int, failing: int = 0) -> tuple[list[str], str]:
@@ -394,15 +410,16 @@ def _kill_with_staged_outcomes(s, tmp_path, finished: int, failing: int = 0) -> 
              for i in range(finished)]
     started = tmp_path / "started"
     long_id = s.enqueue("--id", "long", f"touch {started}; exec sleep 300")
-    worker = s.popen("work", env={"SPOOLQ_TEST_COMMIT_SECONDS": "600"}, stderr=subprocess.DEVNULL)
+    worker = tuned_worker(s, {"commit_seconds": 600})
     wait_for(started.exists, what="the long job to start")
-    wait_for(lambda: len(_staged(s)) == finished, what="the short jobs' outcomes to be staged")
+    wait_for(lambda: len(_pending_outcomes(s)) == finished, what="the short jobs' outcomes to be recorded")
     assert s.ids("cur") == sorted(short + [long_id])  # not one has moved on yet
     worker.send_signal(signal.SIGKILL)
     worker.wait()
     return short, long_id
 
 
+@needs_tuning
 def test_outcomes_staged_for_a_group_sync_survive_kill_9(spool, tmp_path):
     """With fsync on, finished jobs wait in cur/ for one sync of all their
     records. A worker killed then loses none of those outcomes: recovery
@@ -421,26 +438,27 @@ def test_outcomes_staged_for_a_group_sync_survive_kill_9(spool, tmp_path):
             assert os.stat(s.path / "failed" / f"{job_id}.json").st_mtime > time.time() + 30
     assert s.where(long_id) == ["failed"]
     assert s.record("failed", long_id)["history"][-1]["error"] == "interrupted: the worker running it died"
-    assert _staged(s) == [] and not [n for n in os.listdir(s.path / "cur") if n.startswith(".")]
+    assert os.listdir(s.path / "cur") == []  # nothing left behind, hidden or not
 
 
+@needs_tuning
 def test_a_torn_staged_record_is_not_trusted(spool, tmp_path):
-    """A staged record whose bytes do not match the CRC in its name (a power
-    cut that wrote the name but not the data) is discarded: that run counts
+    """A recorded outcome whose bytes are not what the worker wrote (a power
+    cut that kept the file but not all its data) is discarded: that run counts
     as interrupted and the job runs again; the intact one is completed."""
     s = spool
     (torn_id, kept_id), long_id = _kill_with_staged_outcomes(s, tmp_path, 2)
-    torn = next(n for n in _staged(s) if n.startswith(f".staged.{torn_id}.json."))
-    data = bytearray((s.path / "cur" / torn).read_bytes())
-    data[data.index(b"succeeded")] = ord("S")  # still valid JSON: only the CRC tells
-    (s.path / "cur" / torn).write_bytes(bytes(data))
+    torn = _pending_outcomes(s)[torn_id]
+    data = bytearray(torn.read_bytes())
+    data[data.index(b"succeeded")] = ord("S")  # still valid JSON: only the worker's own check can tell
+    torn.write_bytes(bytes(data))
     out = s.run("sweep").stdout
     assert "completed 1" in out and "recovered 2 to failed/" in out, out
     assert s.where(kept_id) == ["done"]
     assert s.where(torn_id) == ["failed"]
     job = s.record("failed", torn_id)
     assert job["attempts"] == 1 and job["history"][-1]["error"] == "interrupted: the worker running it died"
-    assert _staged(s) == []
+    assert _pending_outcomes(s) == {}
     os.rename(s.path / "failed" / f"{long_id}.json", s.path / "dead" / f"{long_id}.json")  # not again
     s.work()
     assert (tmp_path / "runs" / torn_id).read_text() == "ran\nran\n"
@@ -790,8 +808,7 @@ def _locked(path) -> bool:
 
 def test_the_job_prepared_ahead_is_let_go_and_never_charged(fast_spool, tmp_path):
     """-j 1 locks and reads the next job while the current one's process
-    runs. A slow job lets it go (it can be cancelled, others can take it);
-    a worker killed while holding it leaves it waiting, no attempt counted."""
+    runs. A slow job lets it go (it can be cancelled, others can take it)."""
     s = fast_spool
     started = tmp_path / "started"
     slow = s.enqueue(f"touch {started}; exec sleep 300")
@@ -804,12 +821,18 @@ def test_the_job_prepared_ahead_is_let_go_and_never_charged(fast_spool, tmp_path
     worker.wait()
     s.run("sweep")
     s.run("cancel", slow)
-    started.unlink()
 
-    # A worker that holds the next job as long as the slow one runs, killed.
+
+@needs_tuning
+def test_a_worker_killed_while_it_holds_a_prepared_job_loses_nothing(fast_spool, tmp_path):
+    """A worker that holds the next job as long as the slow one runs (the
+    hold lengthened through the Tuning seam), killed: the held job waits in
+    new/, no attempt counted, and runs once later."""
+    s = fast_spool
+    started = tmp_path / "started"
     slow = s.enqueue(f"touch {started}; exec sleep 300")
     s.enqueue("--id", "held-job", "true")
-    worker = s.popen("work", "-j", "1", env={"SPOOLQ_TEST_LOOK_AHEAD_HOLD": "600"}, stderr=subprocess.DEVNULL)
+    worker = tuned_worker(s, {"look_ahead_hold": 600})
     wait_for(started.exists, what="the slow job to start")
     wait_for(lambda: _locked(s.path / "new" / "held-job.json"), what="the next job to be prepared")
     worker.send_signal(signal.SIGKILL)
@@ -824,6 +847,7 @@ def test_the_job_prepared_ahead_is_let_go_and_never_charged(fast_spool, tmp_path
     assert job["state"] == "done" and job["attempts"] == 1
 
 
+@needs_tuning
 def test_another_worker_takes_the_job_a_slow_one_prepared(fast_spool, tmp_path):
     """A worker that prepared the next job lets it go when its own job runs
     long; no event says so, yet a drain started meanwhile must take it (it
@@ -832,7 +856,7 @@ def test_another_worker_takes_the_job_a_slow_one_prepared(fast_spool, tmp_path):
     started = tmp_path / "started"
     s.enqueue(f"touch {started}; exec sleep 300")
     s.enqueue("--id", "next-job", "true")
-    holder = s.popen("work", "-j", "1", env={"SPOOLQ_TEST_LOOK_AHEAD_HOLD": "0.5"}, stderr=subprocess.DEVNULL)
+    holder = tuned_worker(s, {"look_ahead_hold": 0.5})
     wait_for(started.exists, what="the slow job to start")
     wait_for(lambda: _locked(s.path / "new" / "next-job.json"), what="the next job to be prepared")
     s.work()  # a second worker, while the first still holds next-job
@@ -848,12 +872,13 @@ def _worker_holding_the_next_job(s, tmp_path, job_id: str, command: str):
     go = tmp_path / "go"
     s.enqueue(f"while [ ! -e {go} ]; do sleep 0.02; done")
     s.enqueue("--id", job_id, command)
-    worker = s.popen("work", "-j", "1", env={"SPOOLQ_TEST_LOOK_AHEAD_HOLD": "600"}, stderr=subprocess.DEVNULL)
+    worker = tuned_worker(s, {"look_ahead_hold": 600})
     target = s.path / "new" / f"{job_id}.json"
     wait_for(lambda: _locked(target), what="the next job to be prepared")
     return worker, go, target
 
 
+@needs_tuning
 def test_a_prepared_job_postponed_with_touch_waits(fast_spool, tmp_path):
     """`touch -d` on a job the worker has already prepared (locked, read,
     still in new/) postpones it: when the job before it ends the worker lets
@@ -869,6 +894,7 @@ def test_a_prepared_job_postponed_with_touch_waits(fast_spool, tmp_path):
     assert s.show("later")["attempts"] == 0 and not _locked(target)
 
 
+@needs_tuning
 def test_a_prepared_job_replaced_under_its_name_runs_as_replaced(fast_spool, tmp_path):
     """An editor that saves by rename while the worker holds the old file:
     the worker must not rename the new file into cur/ unlocked and run the
