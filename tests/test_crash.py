@@ -593,42 +593,59 @@ def test_a_copy_of_a_live_workers_registration_gets_none_of_its_processes_killed
     assert s.where(job_id) == ["done"] and s.show(job_id)["outcome"] == "succeeded"
 
 
+MOVES = "rename,renameat,renameat2"
+WRITES = "write,pwrite64,writev,pwritev,pwritev2"
+
+
+def _killed_at(s, calls: str, k: int, *args: str, cwd: str | None = None) -> bool:
+    """Run ``spoolq -s SPOOL ARGS``, killed (SIGKILL, by strace) on entering
+    its ``k``-th call of one of ``calls``: whether it was (it makes fewer)."""
+    proc = subprocess.run(["strace", "-qq", "-o", os.devnull, "-e", f"trace={calls}", "-e", f"inject={calls}:signal=KILL:when={k}",
+                           *SPOOLQ, "-s", str(s.path), *args], cwd=cwd, capture_output=True, timeout=60)
+    return proc.returncode in (-signal.SIGKILL, 128 + signal.SIGKILL)
+
+
 @pytest.mark.skipif(shutil.which("strace") is None, reason="strace is not installed (apt-get install strace)")
-@pytest.mark.parametrize("fixture, kill_at", [("fast_spool", 3), ("spool", 4)])
-def test_an_in_process_handler_killed_before_its_failure_moves_on_is_not_charged_twice(request, fixture, kill_at, tmp_path):
+@pytest.mark.parametrize("fixture", ["fast_spool", "spool"])
+def test_an_in_process_handler_killed_at_any_move_is_charged_once_per_run(request, fixture, tmp_path):
     """Regression (audit): a worker killed after a failed in-process run was
     written into its record in cur/, before the move to failed/, had not yet
-    listed the run in its registration (only a process start wrote it at
-    once), so recovery took the record for the run before and added a run
-    that never happened: the job went dead after two real runs of three.
-    With fsync on, the staged record's swap is one more rename first."""
+    listed the run in its registration, so recovery took the record for the
+    run before and added a run that never happened: the job went dead after
+    two real runs of three. Killed on entering each of its moves in turn,
+    then recovered by the next worker: every job has as many attempts as
+    real runs, and sits in one folder."""
     s = request.getfixturevalue(fixture)
     s.config("backoff_initial", 0)
     runs = tmp_path / "runs"
+    runs.mkdir()
     (tmp_path / "failapp.py").write_text(
-        f"def fail(p):\n    open({str(runs)!r}, 'a').write('run\\n')\n    raise RuntimeError('boom')\n"
+        "import os\n"
+        f"def fail(p):\n    open(os.path.join({str(runs)!r}, p), 'a').write('run\\n')\n"
+        "    raise RuntimeError('boom')\n"
         "HANDLERS = {'fail': fail}\n")
-    s.enqueue("--id", "hf", "--kind", "fail", "--max-attempts", "3")
-    # The worker's renames: its registration, the claim, [the staged record's swap,] then cur/ -> failed/:
-    # killed on entering that one.
-    subprocess.run(["strace", "-qq", "-o", os.devnull, "-e", "trace=renameat2", "-e", f"inject=renameat2:signal=KILL:when={kill_at}",
-                    *SPOOLQ, "-s", str(s.path), "work", "--app", "failapp:HANDLERS"], cwd=str(tmp_path), capture_output=True, timeout=60)
-    assert s.names("cur") == ["hf.json"]
-    recorded = s.record("cur", "hf")
-    assert (recorded["state"], recorded["attempts"]) == ("failed", 1)  # the outcome written, not moved on
-    s.run("work", "--app", "failapp:HANDLERS", cwd=str(tmp_path))
-    job = s.show("hf")
-    assert runs.read_text() == "run\n" * 3
-    assert job["state"] == "dead" and job["attempts"] == 3
-    assert [h["error"] for h in job["history"]] == ["RuntimeError: boom"] * 3
+    app = ("--app", "failapp:HANDLERS")
+    for k in range(1, 100):
+        job_id = f"hf{k}"
+        s.enqueue("--id", job_id, "--kind", "fail", "--max-attempts", "3", "--payload", json.dumps(job_id))
+        killed = _killed_at(s, MOVES, k, "work", *app, cwd=str(tmp_path))
+        s.run("work", *app, cwd=str(tmp_path))  # recovery, then the runs left
+        job = s.show(job_id)
+        ran = (runs / job_id).read_text().count("run") if (runs / job_id).exists() else 0
+        assert s.where(job_id) == ["dead"] and job["attempts"] == ran == 3, (k, ran, job)
+        assert [h["error"] for h in job["history"]] == ["RuntimeError: boom"] * 3, (k, job["history"])
+        if not killed:
+            break
+    assert 4 < k < 100  # it was killed at every move of all three runs, then ran through
 
 
-@pytest.mark.skipif(shutil.which("strace") is None, reason="strace is not installed (apt-get install strace)")
+@needs_tuning
 def test_a_staged_finish_whose_history_was_trimmed_is_completed_by_recovery(spool, tmp_path):
     """Review: a record trimmed to fit max_job_bytes (its oldest history
     entries dropped) no longer had the job's history as its prefix, so
-    recovery refused the staged outcome of a worker killed before the swap
-    and ran a finished job again."""
+    recovery refused the outcome of a worker killed before the move and ran
+    a finished job again. The worker here waits for its group sync (Tuning
+    seam) while a long job runs, and is killed then."""
     s = spool
     s.config("max_job_bytes", 20000)
     runs = tmp_path / "runs"
@@ -637,10 +654,15 @@ def test_a_staged_finish_whose_history_was_trimmed_is_completed_by_recovery(spoo
            "created_at": "2026-01-01T00:00:00Z", "history": old_runs, "payload": ""}
     job["payload"] = "p" * (19950 - len(json.dumps(job, separators=(",", ":"))))
     s.drop("trimmed.json", json.dumps(job, separators=(",", ":")))
-    # The worker's renames: its registration, the claim, then the staged record's swap: killed on entering it.
-    subprocess.run(["strace", "-qq", "-o", os.devnull, "-e", "trace=renameat2", "-e", "inject=renameat2:signal=KILL:when=3",
-                    *SPOOLQ, "-s", str(s.path), "work"], capture_output=True, timeout=60)
-    assert s.names("cur")[0] == "trimmed.json" and any(".staged." in n for n in os.listdir(s.path / "cur"))
+    past = time.time() - 60
+    os.utime(s.path / "new" / "trimmed.json", (past, past))  # first in line
+    started = tmp_path / "started"
+    s.enqueue("--id", "long", f"touch {started}; exec sleep 300")
+    worker = tuned_worker(s, {"commit_seconds": 600})
+    wait_for(started.exists, what="the long job to start")
+    wait_for(lambda: "trimmed" in _pending_outcomes(s), what="the trimmed job's outcome to be recorded")
+    worker.send_signal(signal.SIGKILL)
+    worker.wait()
     assert "completed 1" in s.run("sweep").stdout
     done = s.show("trimmed")
     assert runs.read_text() == "run\n"  # not run again
@@ -673,56 +695,66 @@ def test_a_cancel_killed_at_any_step_leaves_a_job_that_runs_or_one_that_is_cance
     """Regression (audit): cancel wrote "done, cancelled" into the record in
     new/ before the move; killed in between, the job was run by the next
     worker, and if that worker died too, recovery took the record for a
-    recorded finish: a job that ran ended "cancelled" with no history."""
+    recorded finish: a job that ran ended "cancelled" with no history.
+    Killed on entering each of its moves and each of its writes in turn: the
+    job is in one folder, and either runs or is cancelled (and read as
+    cancelled before and after compaction), never both."""
     s = fast_spool
-
-    def cancel_killed_on(call: str) -> None:
-        subprocess.run(["strace", "-qq", "-o", os.devnull, "-e", f"trace={call}", "-e", f"inject={call}:signal=KILL:when=1",
-                        *SPOOLQ, "-s", str(s.path), "cancel", job_id], capture_output=True, timeout=60)
-
-    job_id = s.enqueue("--id", "before-move", "echo ran")
-    cancel_killed_on("renameat2")  # before the move: nothing changed, the job runs
-    assert s.where(job_id) == ["new"] and "outcome" not in s.record("new", job_id)
-    s.work()
-    assert s.show(job_id)["stdout"] == "ran\n" and s.show(job_id)["outcome"] == "succeeded"
-
-    job_id = s.enqueue("--id", "after-move", "echo ran")
-    cancel_killed_on("pwrite64")  # moved, record not yet rewritten: in done/, never run
-    assert s.where(job_id) == ["done"] and "outcome" not in s.record("done", job_id)
-    assert s.show(job_id)["outcome"] == "cancelled"  # read as what it is before any compaction
-    s.work()
-    assert "stdout" not in s.record("done", job_id)
-    assert json.loads(s.run("stats", "--json").stdout)["total"]["cancelled"] == 1
+    outcomes = {}
+    for calls in (MOVES, WRITES):
+        for k in range(1, 100):
+            job_id = s.enqueue("echo ran")
+            killed = _killed_at(s, calls, k, "cancel", job_id)
+            assert len(s.where(job_id)) == 1, (calls, k, s.where(job_id))
+            if s.where(job_id) == ["done"]:
+                assert s.show(job_id)["outcome"] == "cancelled", (calls, k)  # whatever the record says yet
+            s.work()
+            job = s.show(job_id)
+            if job["outcome"] == "cancelled":
+                assert "stdout" not in job and not job.get("history"), (calls, k, job)
+            else:
+                assert job["outcome"] == "succeeded" and job["stdout"] == "ran\n" and job["attempts"] == 1, (calls, k, job)
+            outcomes[job_id] = job["outcome"]
+            if not killed:
+                assert job["outcome"] == "cancelled"
+                break
+        assert k > 1, calls
+    assert "cancelled" in outcomes.values() and "succeeded" in outcomes.values()
+    stats = json.loads(s.run("stats", "--json").stdout)["total"]
+    assert stats["cancelled"] == list(outcomes.values()).count("cancelled"), stats
     s.run("compact")
-    job = s.show(job_id)
-    assert job["compacted"] is True and job["outcome"] == "cancelled" and "history" not in job
+    for job_id, outcome in outcomes.items():
+        assert s.show(job_id)["outcome"] == outcome
 
 
 @pytest.mark.skipif(shutil.which("strace") is None, reason="strace is not installed (apt-get install strace)")
 def test_a_retry_killed_at_any_step_leaves_the_dead_file_as_it_was_or_a_fresh_round(fast_spool, tmp_path):
     """Review: retry rewrote the dead record before the move, so a retry
     killed in between (or refused by a name taken meanwhile) left dead/
-    holding a record that said new, its error gone. Now it moves first."""
+    holding a record that said new, its error gone. Now it moves first.
+    Killed on entering each of its moves and each of its writes in turn:
+    the job is in dead/ as it was, or in new/ as a fresh round that runs."""
     s = fast_spool
-    flag = tmp_path / "flag"
-    job_id = s.enqueue("--id", "again", "--max-attempts", "2", f"test -e {flag}")
     s.config("backoff_initial", 0)
-    s.work()
-    dead = s.path / "dead" / "again.json"
-    before = dead.read_bytes()
-
-    def retry_killed_on(call: str) -> None:
-        subprocess.run(["strace", "-qq", "-o", os.devnull, "-e", f"trace={call}", "-e", f"inject={call}:signal=KILL:when=1",
-                        *SPOOLQ, "-s", str(s.path), "retry", job_id], capture_output=True, timeout=60)
-
-    retry_killed_on("renameat2")  # before the move: nothing changed
-    assert s.where(job_id) == ["dead"] and dead.read_bytes() == before
-    retry_killed_on("pwrite64")  # moved, record not yet rewritten: a claim takes it as a fresh round
-    assert s.where(job_id) == ["new"] and s.record("new", job_id)["state"] == "dead"
-    flag.touch()
-    s.work()
-    job = s.show(job_id)
-    assert job["outcome"] == "succeeded" and job["attempts"] == 1 and len(job["history"]) == 3
+    for calls in (MOVES, WRITES):
+        for k in range(1, 100):
+            job_id = s.enqueue("--max-attempts", "2", f"test -e {tmp_path}/flag-$SPOOLQ_JOB_ID")
+            s.work()
+            dead = s.path / "dead" / f"{job_id}.json"
+            before = dead.read_bytes()
+            killed = _killed_at(s, calls, k, "retry", job_id)
+            where = s.where(job_id)
+            assert where in (["dead"], ["new"]), (calls, k, where)
+            if where == ["dead"]:
+                assert dead.read_bytes() == before, (calls, k)
+                s.run("retry", job_id)
+            (tmp_path / f"flag-{job_id}").touch()
+            s.work()
+            job = s.show(job_id)
+            assert job["outcome"] == "succeeded" and job["attempts"] == 1 and len(job["history"]) == 3, (calls, k, job)
+            if not killed:
+                break
+        assert k > 1, calls
 
 
 def test_stale_tmp_files_are_removed_by_sweep(fast_spool):
