@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import wait_for
+from conftest import needs_tuning, tuned_worker, wait_for
 
 
 def test_fifo_order(fast_spool, tmp_path):
@@ -164,3 +164,40 @@ def test_max_jobs_zero_with_j_still_recovers(fast_spool, tmp_path):
     worker.wait()
     s.work("-j", "3", "--max-jobs", "0")
     assert s.where(job_id) == ["failed"] and s.ids("new") == []
+
+
+def _due_files_in_new_and_failed(s, log) -> list[str]:
+    """120 due jobs in new/ and failed/ with few distinct due times (ties
+    broken by name, then failed/ first) and one not yet due; the ids in the
+    order a drain must run them."""
+    import random
+
+    rng = random.Random(7)
+    now = time.time_ns()
+    expected = []
+    for i in range(120):
+        state = "failed" if i % 3 == 0 else "new"
+        job_id = f"job{rng.randrange(10**6):06d}-{i}"
+        due = now - rng.randrange(1, 6) * 10**9
+        path = s.path / state / f"{job_id}.json"
+        path.write_text(json.dumps({"command": f"echo $SPOOLQ_JOB_ID >> {log}"}))
+        os.utime(path, ns=(due, due))
+        expected.append((due, f"{job_id}.json", state, job_id))
+    later = s.path / "new" / "later.json"
+    later.write_text(json.dumps({"command": f"echo later >> {log}"}))
+    os.utime(later, ns=(now + 3600 * 10**9, now + 3600 * 10**9))
+    return [job_id for *_, job_id in sorted(expected)]
+
+
+@needs_tuning
+def test_a_drain_runs_every_due_job_in_order_when_more_wait_than_a_pass_keeps(fast_spool, tmp_path):
+    """With more due jobs than one pass of the drain keeps (a pass of 7,
+    through the Tuning seam), the drain still runs every due job once, in
+    (due time, name) order, across new/ and failed/, and leaves the one not
+    yet due."""
+    s = fast_spool
+    log = tmp_path / "order.log"
+    expected = _due_files_in_new_and_failed(s, log)
+    assert tuned_worker(s, {"scan_limit": 7}).wait(timeout=120) == 0
+    assert log.read_text().split() == expected
+    assert s.ids("new") == ["later"]
