@@ -152,7 +152,7 @@ def run_counts(job: dict, runs: list[tuple] | None = None) -> dict[str, int]:
         succeeded, failed, durations = run_summary(job)
     else:
         succeeded = sum(1 for r in runs if r[10] is None)
-        failed = len(runs) - succeeded + _dropped(job)
+        failed = len(runs) - succeeded + record.dropped_runs(job)
         durations = [r[8] for r in runs if r[8] is not None]
     return histogram_counts(succeeded, failed, durations)
 
@@ -172,7 +172,7 @@ def run_summary(job: dict) -> tuple[int, int, list[float]]:
     only a job's last run can succeed. Durations: runs with a start and an
     end."""
     history = job.get("history")
-    succeeded, failed, durations = 0, _dropped(job), []
+    succeeded, failed, durations = 0, record.dropped_runs(job), []
     if isinstance(history, list):
         for h in history:
             if not isinstance(h, dict):
@@ -181,24 +181,10 @@ def run_summary(job: dict) -> tuple[int, int, list[float]]:
                 failed += 1
             else:
                 succeeded += 1
-            start, end = _time(h.get("start")), _time(h.get("end"))
+            start, end = record.time_or_none(h.get("start")), record.time_or_none(h.get("end"))
             if start is not None and end is not None:
                 durations.append(max(0.0, end - start))
     return succeeded, failed, durations
-
-
-def _dropped(job: dict) -> int:
-    value = job.get("history_dropped")
-    return value if type(value) is int and value > 0 else 0
-
-
-def _time(value: Any) -> float | None:
-    if value is None:
-        return None
-    try:
-        return record.parse_time(value)
-    except ValueError:
-        return None
 
 
 def job_row(job: dict, state: str, finished_at: float) -> tuple:
@@ -214,7 +200,7 @@ def job_row(job: dict, state: str, finished_at: float) -> tuple:
         len(history),
         job.get("exit_code") if isinstance(job.get("exit_code"), int) else None,
         job.get("error") if isinstance(job.get("error"), str) else None,
-        _time(job.get("created_at")),
+        record.time_or_none(job.get("created_at")),
         finished_at,
         json.dumps(job, ensure_ascii=False),
     )
@@ -227,7 +213,7 @@ def run_rows(job: dict) -> list[tuple]:
     for i, h in enumerate(history):
         if not isinstance(h, dict):
             continue
-        due, start, end = _time(h.get("due")), _time(h.get("start")), _time(h.get("end"))
+        due, start, end = (record.time_or_none(h.get(key)) for key in ("due", "start", "end"))
         rows.append((
             job["id"], h.get("attempt") if isinstance(h.get("attempt"), int) else i + 1, target,
             h.get("worker") if isinstance(h.get("worker"), str) else None,
@@ -614,7 +600,7 @@ def fold(spool: SpoolDir, index: Index, folder: str, names: list[str], settings:
                 if folder == "done":
                     job = record.as_done(job)
                 held_batch.append(held)
-                finished = _time(job.get("finished_at")) or held.st.st_mtime
+                finished = record.time_or_none(job.get("finished_at")) or held.st.st_mtime
                 rows.append((job, "done" if folder == "done" else "dead", finished))
             if not rows:
                 continue

@@ -307,7 +307,7 @@ class Spool:
         limit = int(self.settings["max_job_bytes"])
         job: dict[str, Any]
         try:
-            data, st = self.dir.read(state, name, limit + record.RECORD_SLACK + 1)
+            data, st = self.dir.read(state, name, record.read_size(limit))
             job = record.parse_sized(data, job_id, limit)
         except (InvalidJob, NotRegular, OSError):
             job = None

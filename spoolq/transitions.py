@@ -108,8 +108,6 @@ class Claimed:
 # checking a file
 
 
-ERROR_LIMIT = 2000  # characters of a run's error message kept in the record
-
 #: A file in new/ that does not parse yet (empty, or cut short) and changed
 #: less than this many seconds ago may still be being written by someone who
 #: writes straight into new/ instead of renaming a finished file in: it is
@@ -128,13 +126,13 @@ def check(ctx: Context, st: os.stat_result, read: Callable[[int], bytes], name: 
             "add it to the trusted_users setting to run its jobs"
         )
     limit = int(ctx.settings["max_job_bytes"])
-    if st.st_size > limit + record.RECORD_SLACK:
+    if st.st_size > record.max_file_bytes(limit):
         raise InvalidJob(f"{st.st_size} bytes, larger than max_job_bytes ({limit})")
     job_id = id_of(name)
     problem = id_problem(job_id)
     if problem:
         raise InvalidJob(f"bad file name: {problem}")
-    return record.parse_sized(read(limit + record.RECORD_SLACK + 1), job_id, limit)
+    return record.parse_sized(read(record.read_size(limit)), job_id, limit)
 
 
 def dead_reason(ctx: Context, folder: str, name: str) -> str | None:
@@ -267,9 +265,7 @@ def prepare(ctx: Context, entry: Entry, now_ns: int, on_quarantine: Callable[[st
             # rewrite): a fresh round, noted as `spoolq retry` notes it.
             # Written down now, so a crash during the run is counted
             # against the new round.
-            job["attempts"] = 0
-            job["state"] = "new"
-            job["retried_at"] = rfc3339()
+            record.fresh_round(job)
             held.rewrite(record.dumps(job))
             rewritten = True
         # take() tells a postponement (touch -d) from our own rewrite by this
@@ -345,14 +341,6 @@ def _duplicate_of(ctx: Context, job_id: str, entry: Entry) -> str | None:
 # finish
 
 
-_RUN_FIELDS = frozenset(("exit_code", "error", "stdout", "stderr", "result", "result_dropped", "outcome"))
-
-
-def _clear_run_fields(job: dict) -> None:
-    for key in _RUN_FIELDS.intersection(job):
-        del job[key]
-
-
 def decide(ctx: Context, job: dict, out: Outcome, attempt: int) -> str:
     """Where a job goes after a run: done, failed or dead."""
     if out.ok:
@@ -379,9 +367,7 @@ def finish(ctx: Context, claimed: Claimed, out: Outcome, worker_id: str, due_now
     attempt = claimed.attempt
     now = time.time()
     end = rfc3339(out.end or now)
-    error = out.error
-    if error is not None and len(error) > ERROR_LIMIT:  # an exception's message has no bound of its own
-        error = error[:ERROR_LIMIT] + f"... ({len(error)} characters)"
+    error = record.capped_error(out.error)
     entry: dict[str, Any] = {
         "attempt": attempt,
         "worker": worker_id,
@@ -389,27 +375,18 @@ def finish(ctx: Context, claimed: Claimed, out: Outcome, worker_id: str, due_now
         "start": rfc3339(out.start),
         "end": end,
     }
+    results: dict[str, Any] = {}
     if out.exit_code is not None:
-        entry["exit_code"] = out.exit_code
+        entry["exit_code"] = results["exit_code"] = out.exit_code
     if error is not None:
-        entry["error"] = error
-    history = job.get("history")
-    if not isinstance(history, list):
-        history = []
-    history.append(entry)
-    job["history"] = history
-    job["attempts"] = attempt
-    _clear_run_fields(job)
-    if out.exit_code is not None:
-        job["exit_code"] = out.exit_code
-    if error is not None:
-        job["error"] = error
+        entry["error"] = results["error"] = error
     if out.stdout:
-        job["stdout"] = out.stdout
+        results["stdout"] = out.stdout
     if out.stderr:
-        job["stderr"] = out.stderr
+        results["stderr"] = out.stderr
     if out.has_result:
-        job["result"] = out.result
+        results["result"] = out.result
+    record.add_run(job, entry, results)
     dest = decide(ctx, job, out, attempt)
     due: float | None = None
     if dest == "done":
@@ -421,7 +398,7 @@ def finish(ctx: Context, claimed: Claimed, out: Outcome, worker_id: str, due_now
             due = now + _backoff(ctx, attempt)
     job["state"] = dest
     job["finished_at" if dest != "failed" else "failed_at"] = end
-    data = _fitted(job, int(ctx.settings["max_job_bytes"]))
+    data = record.fitted(job, int(ctx.settings["max_job_bytes"]))
     if stage and claimed.held.stage(data):
         return dest, due
     _write_and_move(claimed.held, job, dest, due, defer_sync, data)
@@ -437,47 +414,6 @@ def unclaim(ctx: Context, claimed: Claimed) -> str:
     claimed.held.move(claimed.origin, keep_name=True)
     claimed.held.release()
     return claimed.origin
-
-
-def _fitted(job: dict, limit: int) -> bytes:
-    """The record, trimmed of what runs added until it fits in max_job_bytes:
-    a record spoolq writes must never be one it refuses to read (a job
-    enqueued near the limit would go dead for its own stderr tail). Cut in
-    turn: the output tails (their starts), the result (noted as dropped),
-    the oldest history entries (counted). The job's own fields are never
-    cut: for a job that leaves no room, see record.RECORD_SLACK."""
-    data = record.dumps(job)
-    for key in ("stdout", "stderr"):
-        while len(data) > limit and isinstance(job.get(key), str):
-            text = job[key]
-            keep = len(text) - (len(data) - limit) - 256
-            if keep > 0:
-                job[key] = text[-keep:]
-            else:
-                del job[key]
-            data = record.dumps(job)
-    if len(data) > limit and "result" in job:
-        size = len(record.dumps(job["result"]))
-        del job["result"]
-        job["result_dropped"] = f"a result of {size} bytes does not fit in max_job_bytes ({limit})"
-        data = record.dumps(job)
-    history = job.get("history")
-    while len(data) > limit and isinstance(history, list) and len(history) > 1:
-        cut, freed = 0, 0
-        while freed < len(data) - limit and cut < len(history) - 1:
-            freed += len(record.dumps(history[cut]))
-            cut += 1
-        del history[:cut]
-        job["history_dropped"] = dropped_runs(job) + cut
-        data = record.dumps(job)
-    return data
-
-
-def dropped_runs(job: dict) -> int:
-    """How many history entries trimming has dropped from ``job`` (0 unless
-    the field is a count: a job file may hold anything there)."""
-    value = job.get("history_dropped")
-    return value if type(value) is int and value > 0 else 0
 
 
 def _backoff(ctx: Context, failures: int) -> float:
@@ -565,7 +501,7 @@ def cancel(ctx: Context, job_id: str, on_note: Callable[[str], None] | None = No
             job = check(ctx, held.st, held.read, held.name)
         except InvalidJob as e:
             raise NotPossible(f"job {job_id} is not a valid job ({e}); a worker will move it to dead/") from None
-        _clear_run_fields(job)
+        record.clear_run_fields(job)
         job["state"] = "done"
         job["outcome"] = "cancelled"
         job["finished_at"] = rfc3339()
@@ -662,10 +598,8 @@ def _retry_held(ctx: Context, held: Held, on_note: Callable[[str], None] | None)
         raise NotPossible(f"new/{target} already exists; the dead job stays in dead/") from None
     except FileNotFoundError:  # a lock does not stop `mv`
         raise NotPossible(f"dead/{held.name} was moved away meanwhile (by hand?); it was not retried") from None
-    _clear_run_fields(job)
-    job["state"] = "new"
-    job["attempts"] = 0
-    job["retried_at"] = rfc3339()
+    record.clear_run_fields(job)
+    record.fresh_round(job)
     _rewrite_after_move(ctx, held, record.dumps(job), "new", on_note,
                         f"job {id_of(target)} is back in new/, but its record could not be updated",
                         "a worker still gives it a fresh round")
@@ -893,17 +827,6 @@ def _recover_held(ctx: Context, held: Held, run: tuple | None, staged: tuple[str
     return False
 
 
-def _continues(job: dict, outcome: dict) -> bool:
-    """Whether ``outcome``'s history is ``job``'s plus one run: the job's
-    entries, less any oldest ones trimming dropped (and counted), then one."""
-    history, previous = outcome.get("history"), job.get("history") or []
-    if not isinstance(history, list) or not history or not isinstance(previous, list):
-        return False
-    kept = history[:-1]
-    dropped = len(previous) - len(kept)
-    return dropped >= 0 and previous[dropped:] == kept and dropped_runs(outcome) == dropped_runs(job) + dropped
-
-
 def _staged_outcome(ctx: Context, names: tuple[str, ...] | list[str], job: dict, run_attempt: int,
                     staged_held: list[Held]) -> dict | None:
     """The finished record of run ``run_attempt`` of ``job`` among the
@@ -919,9 +842,9 @@ def _staged_outcome(ctx: Context, names: tuple[str, ...] | list[str], job: dict,
             continue  # a live process's, or gone: not ours to judge
         staged_held.append(h)
         limit = int(ctx.settings["max_job_bytes"])
-        if found is not None or h.st.st_uid not in ctx.trusted_uids or h.st.st_size > limit + record.RECORD_SLACK:
+        if found is not None or h.st.st_uid not in ctx.trusted_uids or h.st.st_size > record.max_file_bytes(limit):
             continue
-        data = h.read(limit + record.RECORD_SLACK)
+        data = h.read(record.read_size(limit))
         if not staged_intact(name, data):
             continue  # torn by a power cut, or an old inode left under this name
         try:
@@ -929,6 +852,6 @@ def _staged_outcome(ctx: Context, names: tuple[str, ...] | list[str], job: dict,
         except InvalidJob:
             continue
         if outcome.get("attempts") == run_attempt and outcome.get("state") in ("done", "failed", "dead") \
-                and _continues(job, outcome):
+                and record.continues(job, outcome):
             found = outcome
     return found
