@@ -192,28 +192,10 @@ def prepare(ctx: Context, entry: Entry, now_ns: int, on_quarantine: Callable[[st
     due, validate it. The file stays where it is, held only by the lock, so
     a crash (or ``held.release()``) leaves nothing to recover; other
     workers skip it meanwhile. None as for ``claim``."""
-    sp = ctx.spool
-    try:
-        held = sp.hold(entry.state, entry.name, mode=entry.mode)
-    except Busy:
-        if on_busy:
-            on_busy()
+    held = _hold_waiting(ctx, entry, on_quarantine, on_busy)
+    if held is None:
         return None
-    except (Gone, FileNotFoundError):
-        return None
-    except NotRegular as e:
-        try:
-            name = sp.move_entry(entry.state, entry.name, "dead")
-        except FileNotFoundError:
-            return None
-        sp.note_reason(name, f"{e.kind}, not a regular file")
-        if on_quarantine:
-            on_quarantine(name, f"{e.kind}, not a regular file")
-        return None
-    except PermissionError as e:
-        return _quarantine_unheld(ctx, entry, f"unreadable: {e.strerror}", on_quarantine)
     due_ns = held.st.st_mtime_ns
-    rewritten = False
     try:
         if due_ns > now_ns:  # postponed since the scan
             held.release()
@@ -221,45 +203,12 @@ def prepare(ctx: Context, entry: Entry, now_ns: int, on_quarantine: Callable[[st
         try:
             job = check(ctx, held.st, held.read, entry.name)
         except InvalidJob as e:
-            settled_ns = held.st.st_mtime_ns + int(WRITER_GRACE * 1e9)
-            if isinstance(e, Incomplete) and entry.state == "new" and now_ns < settled_ns:
-                held.release()
-                if on_later:
-                    on_later(entry.name, settled_ns)
-                return None
-            name = quarantine(ctx, held, str(e))
-            if on_quarantine:
-                on_quarantine(name, str(e))
-            return None
-        job_id = job["id"]
+            return _invalid_waiting(ctx, held, entry, e, now_ns, on_quarantine, on_later)
+        rewritten = False
         if job.get("state") is None:
-            # A file dropped by hand, seen for the first time.
-            duplicate = _duplicate_of(ctx, job_id, entry)
-            if duplicate:
-                # Renamed, so the id keeps meaning the job that had it first;
-                # moved first and annotated after, so no crash leaves it runnable.
-                reason = f"duplicate id: a job {job_id} is already in {duplicate}"
-                new_name = duplicate_name(file_name(job_id))
-                held.move("dead", new_name)
-                job.update(state="dead", error=reason, id=id_of(new_name))
-                held.rewrite(record.dumps(job))
-                held.release()
-                if on_quarantine:
-                    on_quarantine(new_name, reason)
+            rewritten = _first_sight(ctx, held, job, entry, now_ns, on_quarantine)
+            if rewritten is None:
                 return None
-            job.setdefault("created_at", rfc3339(held.st.st_mtime))
-            run_at = job.get("run_at")
-            if run_at is not None:
-                when = record.parse_time(run_at)
-                # Honour run_at once, by the mtime; from now on only the mtime
-                # counts. The marked record and its mtime land in one rename.
-                job["state"] = "new"
-                if when * 1e9 > now_ns:
-                    held.rewrite(record.dumps(job), mtime_ns=int(when * 1e9))
-                    held.release()
-                    return None
-                held.rewrite(record.dumps(job))
-                rewritten = True
         if job.get("state") == "dead":
             # Moved back from dead/ by hand (or by a retry killed before its
             # rewrite): a fresh round, noted as `spoolq retry` notes it.
@@ -271,10 +220,71 @@ def prepare(ctx: Context, entry: Entry, now_ns: int, on_quarantine: Callable[[st
         # take() tells a postponement (touch -d) from our own rewrite by this
         # mtime; without a rewrite it is still the one found when locked.
         mtime_ns = os.fstat(held.fd).st_mtime_ns if rewritten else due_ns
-        return Claimed(held, job, job_id, due_ns, entry.state, mtime_ns)
+        return Claimed(held, job, job["id"], due_ns, entry.state, mtime_ns)
     except BaseException:
         held.release()
         raise
+
+
+def _hold_waiting(ctx: Context, entry: Entry, on_quarantine: Callable[[str, str], None] | None,
+                  on_busy: Callable[[], None] | None) -> Held | None:
+    """The lock on a waiting file, or None: busy, gone, or no file a job
+    can be read from (then moved to dead/ as it is)."""
+    try:
+        return ctx.spool.hold(entry.state, entry.name, mode=entry.mode)
+    except Busy:
+        if on_busy:
+            on_busy()
+        return None
+    except (Gone, FileNotFoundError):
+        return None
+    except NotRegular as e:
+        return _quarantine_unheld(ctx, entry, f"{e.kind}, not a regular file", on_quarantine)
+    except PermissionError as e:
+        return _quarantine_unheld(ctx, entry, f"unreadable: {e.strerror}", on_quarantine)
+
+
+def _invalid_waiting(ctx: Context, held: Held, entry: Entry, problem: InvalidJob, now_ns: int,
+                     on_quarantine: Callable[[str, str], None] | None,
+                     on_later: Callable[[str, int], None] | None) -> None:
+    """A held waiting file that is no valid job goes to dead/, unless it
+    may still be being written (see WRITER_GRACE): then it is let go."""
+    settled_ns = held.st.st_mtime_ns + int(WRITER_GRACE * 1e9)
+    if isinstance(problem, Incomplete) and entry.state == "new" and now_ns < settled_ns:
+        held.release()
+        if on_later:
+            on_later(entry.name, settled_ns)
+        return None
+    name = quarantine(ctx, held, str(problem))
+    if on_quarantine:
+        on_quarantine(name, str(problem))
+    return None
+
+
+def _first_sight(ctx: Context, held: Held, job: dict, entry: Entry, now_ns: int,
+                 on_quarantine: Callable[[str, str], None] | None) -> bool | None:
+    """Take in a file dropped by hand, seen for the first time (its record
+    has no state). None if it is not to run now: a duplicate id (moved to
+    dead/) or a run_at still ahead (the lock let go); else whether its
+    record was rewritten."""
+    job_id = job["id"]
+    duplicate = _duplicate_of(ctx, job_id, entry)
+    if duplicate:
+        return _dead_as_duplicate(held, job, f"duplicate id: a job {job_id} is already in {duplicate}", on_quarantine)
+    job.setdefault("created_at", rfc3339(held.st.st_mtime))
+    run_at = job.get("run_at")
+    if run_at is None:
+        return False
+    when = record.parse_time(run_at)
+    # Honour run_at once, by the mtime; from now on only the mtime
+    # counts. The marked record and its mtime land in one rename.
+    job["state"] = "new"
+    if when * 1e9 > now_ns:
+        held.rewrite(record.dumps(job), mtime_ns=int(when * 1e9))
+        held.release()
+        return None
+    held.rewrite(record.dumps(job))
+    return True
 
 
 def take(ctx: Context, ready: Claimed, now_ns: int, on_quarantine: Callable[[str, str], None] | None = None) -> Claimed | None:
@@ -293,15 +303,7 @@ def take(ctx: Context, ready: Claimed, now_ns: int, on_quarantine: Callable[[str
             # runs again. The folders are synced with the next group commit.
             held.move("cur", file_name(job_id), keep_name=True, defer_sync=True)
         except Exists:
-            reason = f"duplicate id: a job {job_id} is running"
-            new_name = duplicate_name(file_name(job_id))
-            held.move("dead", new_name)
-            job.update(state="dead", error=reason, id=id_of(new_name))
-            held.rewrite(record.dumps(job))
-            held.release()
-            if on_quarantine:
-                on_quarantine(new_name, reason)
-            return None
+            return _dead_as_duplicate(held, job, f"duplicate id: a job {job_id} is running", on_quarantine)
         except FileNotFoundError:
             held.release()
             return None
@@ -309,6 +311,21 @@ def take(ctx: Context, ready: Claimed, now_ns: int, on_quarantine: Callable[[str
     except BaseException:
         held.release()
         raise
+
+
+def _dead_as_duplicate(held: Held, job: dict, reason: str,
+                       on_quarantine: Callable[[str, str], None] | None) -> None:
+    """Move a held job whose id another job has to dead/, under a
+    ``.dup-`` name so the id keeps meaning the job that had it first. Moved
+    first and annotated after, so no crash leaves it runnable."""
+    new_name = duplicate_name(file_name(job["id"]))
+    held.move("dead", new_name)
+    job.update(state="dead", error=reason, id=id_of(new_name))
+    held.rewrite(record.dumps(job))
+    held.release()
+    if on_quarantine:
+        on_quarantine(new_name, reason)
+    return None
 
 
 def _quarantine_unheld(ctx, entry, reason, on_quarantine):
