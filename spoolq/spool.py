@@ -507,11 +507,11 @@ class Spool:
     def sweep(self):
         """The recovery step alone: return abandoned jobs from cur/ (killing
         what their runs left) and remove stale tmp/ files."""
-        from . import transitions
+        from . import recovery
 
         self._open(create=True)
         try:
-            report = transitions.recover(self.context())
+            report = recovery.recover(self.context())
         finally:
             self.dir.drop_spares()
         report.tmp_removed = self.dir.remove_tmp()

@@ -1,10 +1,12 @@
-"""How a job moves between states: claim, finish, cancel, retry, quarantine
-and recovery. Every move happens while holding the file's flock, with the
-record rewritten first and then one rename, so a crash at any instant leaves
-the job in exactly one folder with a whole record.
+"""The moves of one job between states: claim, finish, cancel, retry and
+quarantine, and the checks of a file that decide them. Every move happens
+while holding the file's flock, with the record rewritten and one rename,
+in the order that lets a crash at any instant leave the job in exactly one
+folder with a whole record.
 
-The worker loop, ``spoolq sweep``, ``cancel``, ``retry`` and the Python API
-all come through here.
+The worker loop, ``cancel``, ``retry`` and the Python API come through
+here; recovery.py moves a dead worker's jobs and compact.py reads files
+with these same checks.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from . import config, procs, record, registry
+from . import config, record
 from .protocol import (
     Busy,
     Entry,
@@ -31,7 +33,6 @@ from .protocol import (
     id_problem,
     kind_of,
     listed_names,
-    staged_intact,
 )
 from .record import Incomplete, InvalidJob, rfc3339
 from .runner import Outcome
@@ -412,13 +413,13 @@ def finish(ctx: Context, claimed: Claimed, out: Outcome, worker_id: str, due_now
         if due_now or out.interrupted:
             due = now
         else:
-            due = now + _backoff(ctx, attempt)
+            due = now + backoff(ctx, attempt)
     job["state"] = dest
     job["finished_at" if dest != "failed" else "failed_at"] = end
     data = record.fitted(job, int(ctx.settings["max_job_bytes"]))
     if stage and claimed.held.stage(data):
         return dest, due
-    _write_and_move(claimed.held, job, dest, due, defer_sync, data)
+    write_and_move(claimed.held, job, dest, due, defer_sync, data)
     return dest, due
 
 
@@ -433,7 +434,7 @@ def unclaim(claimed: Claimed) -> str:
     return claimed.origin
 
 
-def _backoff(ctx: Context, failures: int) -> float:
+def backoff(ctx: Context, failures: int) -> float:
     """Seconds until the retry after the ``failures``-th failed run (with jitter)."""
     return config.backoff(ctx.settings, failures, random.uniform(-0.1, 0.1))
 
@@ -449,7 +450,7 @@ def complete(held: Held, dest: str, due: float | None) -> None:
     held.release()
 
 
-def _write_and_move(held: Held, job: dict, dest: str, due: float | None, defer_sync: bool = False,
+def write_and_move(held: Held, job: dict, dest: str, due: float | None, defer_sync: bool = False,
                     data: bytes | None = None) -> None:
     held.rewrite(record.dumps(job) if data is None else data)
     if due is not None:
@@ -669,204 +670,3 @@ def retry_all(ctx: Context, on_problem: Callable[[str], None] | None = None,
         if on_problem:
             on_problem(problem)
     return moved
-
-
-# --------------------------------------------------------------------------
-# recovery
-
-
-@dataclass
-class RecoveryReport:
-    recovered: int = 0  # jobs returned to failed/
-    dead: int = 0  # jobs out of attempts, moved to dead/
-    completed: int = 0  # runs that had finished but not moved on
-    quarantined: int = 0
-    killed: int = 0  # leftover processes killed
-    left_running: int = 0  # jobs left in cur/: their runs' processes live on, not ours to kill
-    workers: int = 0  # dead worker registrations cleared
-    tmp_removed: int = 0  # stale tmp/ files removed (sweep)
-
-
-def recover(ctx: Context) -> RecoveryReport:
-    """Return every job a dead worker left in cur/ to failed/ (due now), its
-    interrupted run counted as an attempt, or to dead/ when none are left.
-    First kill the processes those runs left alive. Jobs are held a batch
-    at a time, at most a quarter of the open-file limit (a crash of many
-    worker processes can leave more jobs in cur/ than a low limit allows
-    open at once); each is tried once."""
-    report = RecoveryReport()
-    batch = max(1, procs.open_file_limit() // 4)
-    tried: set[str] = set()
-    while _recover_batch(ctx, report, batch, tried) >= batch:
-        pass
-    return report
-
-
-def _recover_batch(ctx: Context, report: RecoveryReport, batch: int, tried: set[str]) -> int:
-    """Recover up to ``batch`` unlocked cur/ jobs not in ``tried``; returns how many it held."""
-    sp = ctx.spool
-    held: list[Held] = []
-    for name in sorted(sp.names("cur")):
-        if len(held) >= batch:
-            break
-        if name in tried:
-            continue
-        tried.add(name)
-        try:
-            held.append(sp.hold("cur", name))
-        except (Busy, Gone, FileNotFoundError):
-            continue
-        except (NotRegular, PermissionError):
-            try:
-                sp.move_entry("cur", name, "dead")
-                report.quarantined += 1
-            except FileNotFoundError:
-                pass
-    held_ids = {id_of(h.name) for h in held}
-    staged = sp.staged_records() if held else {}
-    dead_workers: list[registry.DeadRegistration] = []
-    try:
-        dead_workers = registry.take_dead(sp, wait_for=held_ids, trusted=ctx.trusted_uids)
-        runs: dict[str, tuple[registry.DeadRegistration, dict]] = {}
-        for reg in dead_workers:
-            report.killed += reg.kill_processes()
-            for job_id, entry in reg.jobs.items():
-                if not isinstance(entry, dict) or not isinstance(entry.get("attempt"), int):
-                    continue
-                # Two dead workers may both list a job (one entry stale): the
-                # latest attempt is the run that was interrupted.
-                if job_id not in runs or entry["attempt"] > runs[job_id][1]["attempt"]:
-                    runs[job_id] = (reg, entry)
-        # A run whose processes live on and are not ours to kill (a worker of
-        # another user died) keeps its job in cur/, and its registration
-        # entry, until they end: recovered now, it would run twice at once.
-        # (A run that had finished is completed all the same: it runs no more.)
-        still_running = set().union(*(reg.unkillable for reg in dead_workers))
-        recovered_ids = set(held_ids)
-        for h in held:
-            if _recover_one(ctx, h, runs.get(id_of(h.name)), staged.get(h.name, ()), report,
-                            dead_workers[0] if dead_workers else None, id_of(h.name) in still_running):
-                recovered_ids.discard(id_of(h.name))
-        for reg in dead_workers:
-            # Clear a registration only when none of its jobs is left in cur/
-            # for another recovery (which holds it right now) to handle, or
-            # for a later one; else just forget the runs recovered here.
-            if any(job_id not in recovered_ids and sp.find((file_name(job_id),), ("cur",)) for job_id in reg.jobs):
-                reg.forget(recovered_ids)
-            else:
-                reg.remove()
-                report.workers += 1
-    finally:
-        # Whatever failed, hold nothing: a worker lives on after its recovery.
-        for h in held:
-            h.release()
-        for reg in dead_workers:
-            reg.release()
-    return len(held)
-
-
-def _recover_one(ctx: Context, held: Held, run: tuple | None, staged: tuple[str, ...] | list[str],
-                 report: RecoveryReport, spare_reg: registry.DeadRegistration | None = None,
-                 processes_live: bool = False) -> bool:
-    """Recover one job; True if it was left in cur/ (see _recover_held)."""
-    staged_held: list[Held] = []
-    try:
-        if _recover_held(ctx, held, run, staged, staged_held, report, spare_reg, processes_live):
-            return True
-        # Only now, with the job out of cur/, are its staged records spent.
-        for h in staged_held:
-            h.unlink()
-        return False
-    finally:
-        for h in staged_held:
-            h.release()
-
-
-def _recover_held(ctx: Context, held: Held, run: tuple | None, staged: tuple[str, ...] | list[str],
-                  staged_held: list[Held], report: RecoveryReport,
-                  spare_reg: registry.DeadRegistration | None = None, processes_live: bool = False) -> bool:
-    """Move a dead worker's job on; True if it is left in cur/ instead: an
-    interrupted run whose processes live on (``processes_live``)."""
-    try:
-        job = check(ctx, held.st, held.read, held.name)
-    except InvalidJob as e:
-        quarantine(ctx, held, str(e))
-        report.quarantined += 1
-        return False
-    attempts = int(job.get("attempts") or 0)
-    reg, entry = run if run else (None, None)
-    run_attempt = entry.get("attempt") if entry and isinstance(entry.get("attempt"), int) else attempts + 1
-    finished = job.get("state") in ("done", "dead")  # never claimed in that state: a recorded finish
-    if not finished:
-        outcome = _staged_outcome(ctx, staged, job, run_attempt, staged_held)
-        if outcome is not None:
-            # The run finished and its record was staged, but not swapped in.
-            job, finished = outcome, True
-    if finished or (attempts >= run_attempt and job.get("state") == "failed"):
-        # The run finished and was recorded; only the last rename was lost.
-        # A failed run's retry waits its backoff, as it would have.
-        due = None
-        if job["state"] == "failed":
-            due = time.time() + _backoff(ctx, int(job.get("attempts") or 1))
-        _write_and_move(held, job, job["state"], due)
-        report.completed += 1
-        return False
-    if processes_live:
-        report.left_running += 1
-        return True
-    worker_id = str(reg.info.get("worker")) if reg else None
-    started = entry.get("started_at") if entry else None
-    start = time.time()
-    if isinstance(started, str):
-        try:
-            start = record.parse_time(started)
-        except ValueError:
-            pass
-    if entry is None and spare_reg is not None:
-        # No registration lists this run (its worker died before writing it
-        # down). The interrupted record written next says it is run
-        # ``run_attempt``; should this recovery die before moving it on, the
-        # next one must find the run listed, or it counts it a second time.
-        try:
-            spare_reg.note_run(job["id"], run_attempt)
-        except OSError:
-            pass
-    job["attempts"] = run_attempt - 1
-    out = Outcome(start=start, end=time.time(), error="interrupted: the worker running it died", interrupted=True)
-    claimed = Claimed(held, job, job["id"], held.st.st_mtime_ns, "cur")
-    dest, _ = finish(ctx, claimed, out, worker_id or "unknown", due_now=True)
-    if dest == "dead":
-        report.dead += 1
-    else:
-        report.recovered += 1
-    return False
-
-
-def _staged_outcome(ctx: Context, names: tuple[str, ...] | list[str], job: dict, run_attempt: int,
-                    staged_held: list[Held]) -> dict | None:
-    """The finished record of run ``run_attempt`` of ``job`` among the
-    staged records ``names`` (each held and added to ``staged_held``):
-    whole (its CRC matches), valid, and the outcome of exactly that run
-    (its history is the job's plus that run's entry)."""
-    sp = ctx.spool
-    found = None
-    for name in names:
-        try:
-            h = sp.hold("cur", name)
-        except (Busy, Gone, NotRegular):
-            continue  # a live process's, or gone: not ours to judge
-        staged_held.append(h)
-        limit = int(ctx.settings["max_job_bytes"])
-        if found is not None or h.st.st_uid not in ctx.trusted_uids or h.st.st_size > record.max_file_bytes(limit):
-            continue
-        data = h.read(record.read_size(limit))
-        if not staged_intact(name, data):
-            continue  # torn by a power cut, or an old inode left under this name
-        try:
-            outcome = record.parse_sized(data, job["id"], limit)
-        except InvalidJob:
-            continue
-        if outcome.get("attempts") == run_attempt and outcome.get("state") in ("done", "failed", "dead") \
-                and record.continues(job, outcome):
-            found = outcome
-    return found

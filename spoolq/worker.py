@@ -32,7 +32,7 @@ import threading
 import time
 from typing import Any, Callable, TextIO
 
-from . import config, procs, transitions
+from . import config, procs, recovery, transitions
 from .output import LOGGER, LinePrinter, one_line
 from .protocol import Entry
 from .registry import Registration
@@ -509,7 +509,7 @@ class Worker:
 
     def _recover(self) -> None:
         try:
-            report = transitions.recover(self.ctx)
+            report = recovery.recover(self.ctx)
             removed = self.spool.dir.remove_tmp()
             self.spool.dir.remove_stale_spares()
         except Exception as e:  # recovery failing must not keep jobs from running
