@@ -264,14 +264,14 @@ class Spool:
         tmp/ files older than 36 hours. ``keep=0`` drops every finished
         job's row, the ones just folded included (the command asks for
         ``--yes`` before it does that)."""
-        from .index import compact
+        from .compact import compact
 
         self._open(create=True)
         return compact(self.dir, self.index(create=True), self.settings, keep)
 
     def purge_dead(self, older_than: float) -> dict[str, int]:
         """Clear dead jobs older than ``older_than`` seconds into index.db."""
-        from .index import purge_dead
+        from .compact import purge_dead
 
         self._open()
         try:
