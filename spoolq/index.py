@@ -250,6 +250,28 @@ def _disk_full_explained(change):
     return wrapper
 
 
+@contextlib.contextmanager
+def _immediate(db: sqlite3.Connection) -> Iterator[None]:
+    """A write transaction, taken at once (BEGIN IMMEDIATE), committed at
+    the end and rolled back on any error."""
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+        db.execute("COMMIT")
+    except BaseException:
+        if db.in_transaction:  # SQLite has rolled back by itself after some errors (a full disk)
+            db.execute("ROLLBACK")
+        raise
+
+
+def _fsync(path: str, flags: int) -> None:
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 READ_ONLY_FOR = 5.0  # seconds a read-only fallback connection is used before read-write is tried again
 
 
@@ -327,21 +349,13 @@ class Index:
             finally:
                 db.close()
             if self.durable:
-                fd = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+                _fsync(tmp, os.O_RDONLY | os.O_CLOEXEC)
             try:
                 os.link(tmp, self.path)
             except FileExistsError:
                 return
             if self.durable:
-                fd = os.open(os.path.dirname(self.path) or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+                _fsync(os.path.dirname(self.path) or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         finally:
             for path in (tmp, tmp + "-wal", tmp + "-shm", tmp + "-journal"):
                 try:
@@ -491,8 +505,7 @@ class Index:
         counts: dict[str, int] = {}
         insert_job = f"INSERT OR IGNORE INTO jobs ({', '.join(JOB_COLUMNS)}) VALUES ({', '.join('?' * len(JOB_COLUMNS))})"
         insert_runs = f"INSERT OR REPLACE INTO runs ({', '.join(RUN_COLUMNS)}) VALUES ({', '.join('?' * len(RUN_COLUMNS))})"
-        db.execute("BEGIN IMMEDIATE")
-        try:
+        with _immediate(db):
             for job, state, finished_at in jobs:
                 if _insert(db, insert_job, [job_row(job, state, finished_at)]).rowcount == 0:
                     key = _sql(job["id"])
@@ -517,11 +530,6 @@ class Index:
                 stored.append(job["id"])
             for name, n in counts.items():
                 self._bump(name, n)
-            db.execute("COMMIT")
-        except BaseException:
-            if db.in_transaction:  # SQLite has rolled back by itself after some errors (a full disk)
-                db.execute("ROLLBACK")
-            raise
         return stored
 
     def _bump(self, name: str, by: int) -> None:
@@ -535,20 +543,14 @@ class Index:
     def drop_older(self, cutoff: float) -> int:
         """Delete jobs (and their runs) that finished before ``cutoff``."""
         db = self.writable()
-        db.execute("BEGIN IMMEDIATE")
-        try:
-            n = {}
+        n = {}
+        with _immediate(db):
             for state in ("done", "dead"):
                 n[state] = db.execute("SELECT COUNT(*) FROM jobs WHERE state = ? AND finished_at < ?", (state, cutoff)).fetchone()[0]
             db.execute("DELETE FROM runs WHERE job_id IN (SELECT id FROM jobs WHERE finished_at < ?)", (cutoff,))
             db.execute("DELETE FROM jobs WHERE finished_at < ?", (cutoff,))
             for state, count in n.items():
                 self._bump(f"rows_{state}", -count)
-            db.execute("COMMIT")
-        except BaseException:
-            if db.in_transaction:  # SQLite has rolled back by itself after some errors (a full disk)
-                db.execute("ROLLBACK")
-            raise
         return sum(n.values())
 
 

@@ -224,17 +224,7 @@ def validate(job: dict, name_id: str | None = None) -> None:
             raise InvalidJob(f"run_at: {e}") from None
     env = job.get("env")
     if env is not None:
-        if not isinstance(env, dict):
-            raise InvalidJob("env must be an object of strings")
-        for k, v in env.items():
-            if not isinstance(k, str):
-                raise InvalidJob(f"env name {k!r} must be a string, not {type(k).__name__}")
-            if not isinstance(v, str):
-                raise InvalidJob(f"env[{k!r}] must be a string, not {type(v).__name__}")
-            if not k or "=" in k:
-                raise InvalidJob(f"env name {k!r} is empty or contains '='")
-            _no_nul(k, "env")
-            _no_nul(v, "env")
+        _validate_env(env)
     cwd = job.get("cwd")
     if cwd is not None:
         if not isinstance(cwd, str) or not cwd:
@@ -246,6 +236,20 @@ def validate(job: dict, name_id: str | None = None) -> None:
     history = job.get("history")
     if history is not None and not isinstance(history, list):
         raise InvalidJob("history must be a list")
+
+
+def _validate_env(env: Any) -> None:
+    if not isinstance(env, dict):
+        raise InvalidJob("env must be an object of strings")
+    for k, v in env.items():
+        if not isinstance(k, str):
+            raise InvalidJob(f"env name {k!r} must be a string, not {type(k).__name__}")
+        if not isinstance(v, str):
+            raise InvalidJob(f"env[{k!r}] must be a string, not {type(v).__name__}")
+        if not k or "=" in k:
+            raise InvalidJob(f"env name {k!r} is empty or contains '='")
+        _no_nul(k, "env")
+        _no_nul(v, "env")
 
 
 # Fields spoolq writes into a record as it runs the job (the rest are the

@@ -444,15 +444,18 @@ def complete(held: Held, dest: str, due: float | None) -> None:
     the record durable: swap it in and move the job to ``dest`` (the folder
     fsyncs deferred, as with ``finish(defer_sync=True)``)."""
     held.commit_staged()
-    if due is not None:
-        held.set_mtime(int(due * 1e9))
-    held.move(dest, defer_sync=True)
-    held.release()
+    _move_on(held, dest, due, defer_sync=True)
 
 
 def write_and_move(held: Held, job: dict, dest: str, due: float | None, defer_sync: bool = False,
-                    data: bytes | None = None) -> None:
+                   data: bytes | None = None) -> None:
+    """Rewrite a held job's record (``data``, else ``job`` serialised) and
+    move it to ``dest``, due at ``due`` when given."""
     held.rewrite(record.dumps(job) if data is None else data)
+    _move_on(held, dest, due, defer_sync)
+
+
+def _move_on(held: Held, dest: str, due: float | None, defer_sync: bool) -> None:
     if due is not None:
         held.set_mtime(int(due * 1e9))
     held.move(dest, defer_sync=defer_sync)
