@@ -12,7 +12,10 @@ with these same checks.
 from __future__ import annotations
 
 import os
+import pwd
 import random
+import re
+import shlex
 import stat
 import time
 from dataclasses import dataclass
@@ -68,8 +71,6 @@ class Context:
 
 
 def _uid_of(user: str) -> int | None:
-    import pwd
-
     try:
         return pwd.getpwnam(user).pw_uid
     except KeyError:
@@ -80,8 +81,6 @@ def _uid_of(user: str) -> int | None:
 
 
 def _user_name(uid: int) -> str:
-    import pwd
-
     try:
         return pwd.getpwuid(uid).pw_name
     except KeyError:
@@ -565,7 +564,7 @@ def retry(ctx: Context, job_id: str, on_note: Callable[[str], None] | None = Non
             except FileNotFoundError:
                 regular = True
             if not regular:
-                raise NotPossible(f"dead/{where[1]} is not a regular file, so not a job to retry; move or remove it by hand")
+                raise NotPossible(_not_a_job_to_retry(where[1]))
             raise NotPossible(f"job {job_id} is moving (it just reached dead/); try again")
         raise NotPossible(f"job {job_id} is in {where[0]}/, not dead/")
     try:
@@ -574,12 +573,13 @@ def retry(ctx: Context, job_id: str, on_note: Callable[[str], None] | None = Non
         held.release()
 
 
+def _not_a_job_to_retry(name: str) -> str:
+    return f"dead/{name} is not a regular file, so not a job to retry; move or remove it by hand"
+
+
 def _rename_hint(ctx: Context, name: str) -> str:
     """Why a dead file under a name that is no valid id cannot be retried,
     and the command that gives it a free, valid one."""
-    import re
-    import shlex
-
     job_id = id_of(name)
     base = re.sub(r"\.{2,}", ".", re.sub(r"[^A-Za-z0-9._-]+", "_", job_id)).lstrip(".")[:120] or "job"
     fresh, n = base, 1
@@ -656,7 +656,7 @@ def retry_all(ctx: Context, on_problem: Callable[[str], None] | None = None,
         except Busy:
             problem = f"dead/{name} is busy (another command holds it); try again"
         except NotRegular:
-            problem = f"dead/{name} is not a regular file, so not a job to retry; move or remove it by hand"
+            problem = _not_a_job_to_retry(name)
         except PermissionError as e:
             problem = f"dead/{name} cannot be opened: {e.strerror}"
         else:
