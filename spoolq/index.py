@@ -1,19 +1,18 @@
-"""The index: finished jobs folded from done/ into SQLite (``index.db``).
+"""The index: the SQLite history of finished jobs (``index.db``), its
+cumulative counters, and the statistics asked of it.
 
 One row per job in ``jobs`` (its fields as columns plus the whole record as
 JSON) and one row per run in ``runs`` (from the record's history), so every
-question about past jobs is one query. Compaction commits the rows first and
-removes each file only after that, holding the file's lock: a crash at any
-point leaves every record in the index, in done/, or in both (the next
-compaction skips what is already there), and the primary key keeps one row
-per job.
+question about past jobs is one query. Rows arrive from compact.py, which
+commits them before it removes each file; a job stored twice (a fold that
+crashed after its commit) is recognised here, and the primary key keeps one
+row per job.
 
 The index is history only: it never decides where a waiting job is.
 """
 
 from __future__ import annotations
 
-import base64
 import bisect
 import contextlib
 import errno
@@ -25,8 +24,8 @@ import sqlite3
 import time
 from typing import Any, Iterable, Iterator
 
-from . import procs, record
-from .protocol import Busy, Gone, NotRegular, SpoolDir, duplicate_name, file_name, id_of
+from . import record
+from .protocol import duplicate_name, file_name, id_of
 
 SCHEMA_VERSION = 2
 
@@ -152,7 +151,7 @@ def run_counts(job: dict, runs: list[tuple] | None = None) -> dict[str, int]:
         succeeded, failed, durations = run_summary(job)
     else:
         succeeded = sum(1 for r in runs if r[10] is None)
-        failed = len(runs) - succeeded + _dropped(job)
+        failed = len(runs) - succeeded + record.dropped_runs(job)
         durations = [r[8] for r in runs if r[8] is not None]
     return histogram_counts(succeeded, failed, durations)
 
@@ -172,7 +171,7 @@ def run_summary(job: dict) -> tuple[int, int, list[float]]:
     only a job's last run can succeed. Durations: runs with a start and an
     end."""
     history = job.get("history")
-    succeeded, failed, durations = 0, _dropped(job), []
+    succeeded, failed, durations = 0, record.dropped_runs(job), []
     if isinstance(history, list):
         for h in history:
             if not isinstance(h, dict):
@@ -181,24 +180,10 @@ def run_summary(job: dict) -> tuple[int, int, list[float]]:
                 failed += 1
             else:
                 succeeded += 1
-            start, end = _time(h.get("start")), _time(h.get("end"))
+            start, end = record.time_or_none(h.get("start")), record.time_or_none(h.get("end"))
             if start is not None and end is not None:
                 durations.append(max(0.0, end - start))
     return succeeded, failed, durations
-
-
-def _dropped(job: dict) -> int:
-    value = job.get("history_dropped")
-    return value if type(value) is int and value > 0 else 0
-
-
-def _time(value: Any) -> float | None:
-    if value is None:
-        return None
-    try:
-        return record.parse_time(value)
-    except ValueError:
-        return None
 
 
 def job_row(job: dict, state: str, finished_at: float) -> tuple:
@@ -214,7 +199,7 @@ def job_row(job: dict, state: str, finished_at: float) -> tuple:
         len(history),
         job.get("exit_code") if isinstance(job.get("exit_code"), int) else None,
         job.get("error") if isinstance(job.get("error"), str) else None,
-        _time(job.get("created_at")),
+        record.time_or_none(job.get("created_at")),
         finished_at,
         json.dumps(job, ensure_ascii=False),
     )
@@ -227,7 +212,7 @@ def run_rows(job: dict) -> list[tuple]:
     for i, h in enumerate(history):
         if not isinstance(h, dict):
             continue
-        due, start, end = _time(h.get("due")), _time(h.get("start")), _time(h.get("end"))
+        due, start, end = (record.time_or_none(h.get(key)) for key in ("due", "start", "end"))
         rows.append((
             job["id"], h.get("attempt") if isinstance(h.get("attempt"), int) else i + 1, target,
             h.get("worker") if isinstance(h.get("worker"), str) else None,
@@ -263,6 +248,28 @@ def _disk_full_explained(change):
             raise
 
     return wrapper
+
+
+@contextlib.contextmanager
+def _immediate(db: sqlite3.Connection) -> Iterator[None]:
+    """A write transaction, taken at once (BEGIN IMMEDIATE), committed at
+    the end and rolled back on any error."""
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+        db.execute("COMMIT")
+    except BaseException:
+        if db.in_transaction:  # SQLite has rolled back by itself after some errors (a full disk)
+            db.execute("ROLLBACK")
+        raise
+
+
+def _fsync(path: str, flags: int) -> None:
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 READ_ONLY_FOR = 5.0  # seconds a read-only fallback connection is used before read-write is tried again
@@ -342,21 +349,13 @@ class Index:
             finally:
                 db.close()
             if self.durable:
-                fd = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+                _fsync(tmp, os.O_RDONLY | os.O_CLOEXEC)
             try:
                 os.link(tmp, self.path)
             except FileExistsError:
                 return
             if self.durable:
-                fd = os.open(os.path.dirname(self.path) or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+                _fsync(os.path.dirname(self.path) or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         finally:
             for path in (tmp, tmp + "-wal", tmp + "-shm", tmp + "-journal"):
                 try:
@@ -506,8 +505,7 @@ class Index:
         counts: dict[str, int] = {}
         insert_job = f"INSERT OR IGNORE INTO jobs ({', '.join(JOB_COLUMNS)}) VALUES ({', '.join('?' * len(JOB_COLUMNS))})"
         insert_runs = f"INSERT OR REPLACE INTO runs ({', '.join(RUN_COLUMNS)}) VALUES ({', '.join('?' * len(RUN_COLUMNS))})"
-        db.execute("BEGIN IMMEDIATE")
-        try:
+        with _immediate(db):
             for job, state, finished_at in jobs:
                 if _insert(db, insert_job, [job_row(job, state, finished_at)]).rowcount == 0:
                     key = _sql(job["id"])
@@ -532,11 +530,6 @@ class Index:
                 stored.append(job["id"])
             for name, n in counts.items():
                 self._bump(name, n)
-            db.execute("COMMIT")
-        except BaseException:
-            if db.in_transaction:  # SQLite has rolled back by itself after some errors (a full disk)
-                db.execute("ROLLBACK")
-            raise
         return stored
 
     def _bump(self, name: str, by: int) -> None:
@@ -550,132 +543,15 @@ class Index:
     def drop_older(self, cutoff: float) -> int:
         """Delete jobs (and their runs) that finished before ``cutoff``."""
         db = self.writable()
-        db.execute("BEGIN IMMEDIATE")
-        try:
-            n = {}
+        n = {}
+        with _immediate(db):
             for state in ("done", "dead"):
                 n[state] = db.execute("SELECT COUNT(*) FROM jobs WHERE state = ? AND finished_at < ?", (state, cutoff)).fetchone()[0]
             db.execute("DELETE FROM runs WHERE job_id IN (SELECT id FROM jobs WHERE finished_at < ?)", (cutoff,))
             db.execute("DELETE FROM jobs WHERE finished_at < ?", (cutoff,))
             for state, count in n.items():
                 self._bump(f"rows_{state}", -count)
-            db.execute("COMMIT")
-        except BaseException:
-            if db.in_transaction:  # SQLite has rolled back by itself after some errors (a full disk)
-                db.execute("ROLLBACK")
-            raise
         return sum(n.values())
-
-
-# --------------------------------------------------------------------------
-# folding folders into the index
-
-
-def fold(spool: SpoolDir, index: Index, folder: str, names: list[str], settings: dict, batch: int = 2000) -> tuple[int, int]:
-    """Move the given files of ``folder`` into the index, ``batch`` at a time
-    (fewer where the descriptor limit is low: see _held_at_once): lock each
-    file, commit its row, then remove it (still locked). Files that are
-    busy, gone or unreadable are left where they are.
-    Returns (jobs folded, files left)."""
-    from .transitions import Context, check
-
-    ctx = Context(spool, settings)
-    batch = _held_at_once(batch)
-    folded = left = 0
-    pos = 0
-    while pos < len(names):
-        held_batch = []
-        rows = []
-        try:
-            while pos < len(names) and len(held_batch) < batch:
-                name = names[pos]
-                try:
-                    held = spool.hold(folder, name)
-                except (Busy, Gone, FileNotFoundError, NotRegular, PermissionError):
-                    left += 1
-                    pos += 1
-                    continue
-                except OSError as e:
-                    if e.errno in (errno.EMFILE, errno.ENFILE) and held_batch:
-                        break  # out of descriptors after all: fold what is held, then go on
-                    raise
-                pos += 1
-                try:
-                    job = check(ctx, held.st, held.read, name)
-                except (record.InvalidJob, OSError) as e:
-                    if folder != "dead":  # only a deliberate purge takes invalid files
-                        held.release()
-                        left += 1
-                        continue
-                    job = _invalid_record(name, held, e, int(settings["max_job_bytes"]))
-                kept = spool.noted_reason(name) if folder == "dead" else None
-                if kept is not None and (job.get("invalid") or job.get("error") is None):
-                    job["error"] = kept  # why it went to dead/, whatever was written into it since
-                if folder == "done":
-                    job = record.as_done(job)
-                held_batch.append(held)
-                finished = _time(job.get("finished_at")) or held.st.st_mtime
-                rows.append((job, "done" if folder == "done" else "dead", finished))
-            if not rows:
-                continue
-            index.add(rows)
-            for held in held_batch:
-                held.unlink()
-            spool.sync_dir(folder)
-            folded += len(rows)
-        finally:
-            for held in held_batch:
-                held.release()
-    return folded, left
-
-
-def _invalid_record(name: str, held: Any, problem: Exception, limit: int) -> dict:
-    """What the index keeps of a dead file that is no valid job: why it is
-    invalid and its bytes exactly (``raw`` when they are UTF-8, else
-    ``raw_base64``), the first ``limit`` (max_job_bytes) of them only, with
-    its size, when it is larger."""
-    reason = str(problem) if isinstance(problem, record.InvalidJob) else f"unreadable: {problem}"
-    job: dict[str, Any] = {"id": id_of(name), "invalid": True, "error": reason}
-    try:
-        raw = held.read(limit)
-    except OSError as e:
-        return dict(job, raw_error=f"unreadable: {e.strerror}")
-    try:
-        job["raw"] = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        job["raw_base64"] = base64.b64encode(raw).decode("ascii")
-    if held.size > len(raw):
-        job.update(raw_bytes=held.size, raw_truncated=True)
-    return job
-
-
-def _held_at_once(batch: int) -> int:
-    """How many files a fold may hold open at once: each is a descriptor,
-    and a soft limit of 1024 (the usual default, systemd's too) would fail
-    a batch of 2,000. A quarter of the limit leaves the rest to SQLite and
-    the worker."""
-    return max(1, min(batch, procs.open_file_limit() // 4))
-
-
-def compact(spool: SpoolDir, index: Index, settings: dict, keep: float | None = None) -> dict[str, int]:
-    """Fold done/ into the index, drop history older than ``keep`` seconds,
-    and remove tmp/ files older than 36 hours."""
-    started = time.monotonic()
-    names = sorted(spool.names("done"))
-    folded, left = fold(spool, index, "done", names, settings)
-    dropped = index.drop_older(time.time() - keep) if keep is not None else 0
-    tmp_removed = spool.remove_tmp()
-    return {"folded": folded, "left": left, "dropped": dropped, "tmp_removed": tmp_removed,
-            "seconds": round(time.monotonic() - started, 3)}
-
-
-def purge_dead(spool: SpoolDir, index: Index, settings: dict, older_than: float) -> dict[str, int]:
-    """Clear dead jobs whose file is older than ``older_than`` seconds into the
-    index (a deliberate act: compaction never touches dead/)."""
-    cutoff = time.time() - older_than
-    names = sorted(n for n, st in spool.entries("dead") if st.st_mtime < cutoff)
-    folded, left = fold(spool, index, "dead", names, settings)
-    return {"purged": folded, "left": left}
 
 
 # --------------------------------------------------------------------------

@@ -37,7 +37,7 @@ def _read_jobs(spool: Any, limit: int, now_ns: int) -> tuple[dict[str, tuple], i
 
     def read(state: str, name: str) -> bool:
         try:
-            data, st = spool.dir.read(state, name, limit + record.RECORD_SLACK + 1)
+            data, st = spool.dir.read(state, name, record.read_size(limit))
         except (FileNotFoundError, NotRegular, OSError):
             return False
         nonlocal oldest_due

@@ -1,5 +1,7 @@
-"""The job record: parse, validate and serialise job files, and the time and
-duration formats of the command line.
+"""The job record: parse, validate, serialise and shape job files (what a
+run adds to a record, and trimming it to fit max_job_bytes), and the time
+and duration formats of the command line. Pure: no file is read or written
+here.
 
 A job file is a UTF-8 JSON object. Producers write a few fields (``command``
 or ``argv`` or ``kind``, ``payload``, ``id``, ``max_attempts``, ``timeout``,
@@ -21,7 +23,6 @@ from .protocol import id_problem
 MAX_EPOCH = 7258118400  # 2200-01-01T00:00:00Z: far later, mtimes in nanoseconds overflow 64 bits
 MAX_TIMEOUT = 10 * 365 * 86400  # ten years: beyond it select() and timers overflow
 
-PRODUCER_FIELDS = ("command", "argv", "kind", "payload", "id", "max_attempts", "timeout", "run_at", "env", "cwd")
 TARGETS = ("command", "argv", "kind")
 
 
@@ -122,6 +123,18 @@ def parse_time(value: Any) -> float:
     raise ValueError(f"a time must be RFC 3339 or epoch seconds, not {type(value).__name__}")
 
 
+
+def time_or_none(value: Any) -> float | None:
+    """``parse_time`` of a field a record may lack or hold anything in: None
+    for what is no time."""
+    if value is None:
+        return None
+    try:
+        return parse_time(value)
+    except ValueError:
+        return None
+
+
 _DURATION_PART = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-z]*)")
 _UNITS = {"": 1, "s": 1, "sec": 1, "secs": 1, "second": 1, "seconds": 1,
           "m": 60, "min": 60, "mins": 60, "minute": 60, "minutes": 60,
@@ -211,17 +224,7 @@ def validate(job: dict, name_id: str | None = None) -> None:
             raise InvalidJob(f"run_at: {e}") from None
     env = job.get("env")
     if env is not None:
-        if not isinstance(env, dict):
-            raise InvalidJob("env must be an object of strings")
-        for k, v in env.items():
-            if not isinstance(k, str):
-                raise InvalidJob(f"env name {k!r} must be a string, not {type(k).__name__}")
-            if not isinstance(v, str):
-                raise InvalidJob(f"env[{k!r}] must be a string, not {type(v).__name__}")
-            if not k or "=" in k:
-                raise InvalidJob(f"env name {k!r} is empty or contains '='")
-            _no_nul(k, "env")
-            _no_nul(v, "env")
+        _validate_env(env)
     cwd = job.get("cwd")
     if cwd is not None:
         if not isinstance(cwd, str) or not cwd:
@@ -235,6 +238,20 @@ def validate(job: dict, name_id: str | None = None) -> None:
         raise InvalidJob("history must be a list")
 
 
+def _validate_env(env: Any) -> None:
+    if not isinstance(env, dict):
+        raise InvalidJob("env must be an object of strings")
+    for k, v in env.items():
+        if not isinstance(k, str):
+            raise InvalidJob(f"env name {k!r} must be a string, not {type(k).__name__}")
+        if not isinstance(v, str):
+            raise InvalidJob(f"env[{k!r}] must be a string, not {type(v).__name__}")
+        if not k or "=" in k:
+            raise InvalidJob(f"env name {k!r} is empty or contains '='")
+        _no_nul(k, "env")
+        _no_nul(v, "env")
+
+
 # Fields spoolq writes into a record as it runs the job (the rest are the
 # producer's; an id may be either, and is short).
 SPOOLQ_FIELDS = frozenset(("id", "history", "history_dropped", "attempts", "state", "outcome", "exit_code", "error",
@@ -243,10 +260,22 @@ SPOOLQ_FIELDS = frozenset(("id", "history", "history_dropped", "attempts", "stat
 
 # A record spoolq has written (one with a history) may be this much larger
 # than max_job_bytes, as long as the producer's own fields fit in it. A
-# finish trims what runs add to fit the limit (see transitions._fitted), but
+# finish trims what runs add to fit the limit (see fitted), but
 # a job enqueued within a few hundred bytes of it has no room for even one
 # history entry; without the slack it would go dead for its own bookkeeping.
 RECORD_SLACK = 64 * 1024
+
+
+def max_file_bytes(limit: int) -> int:
+    """The largest job file that may still be valid under max_job_bytes
+    ``limit``: spoolq's own records have RECORD_SLACK more."""
+    return limit + RECORD_SLACK
+
+
+def read_size(limit: int) -> int:
+    """How much of a job file to read for ``parse_sized``: one byte past
+    the largest valid file, so a larger one is seen to be larger."""
+    return max_file_bytes(limit) + 1
 
 
 def as_done(job: dict) -> dict:
@@ -266,7 +295,7 @@ def parse_sized(data: bytes, job_id: str, limit: int) -> dict:
     if len(data) <= limit:
         return parse(data, job_id)
     try:
-        job = parse(data, job_id) if len(data) <= limit + RECORD_SLACK else None
+        job = parse(data, job_id) if len(data) <= max_file_bytes(limit) else None
     except InvalidJob:
         job = None
     if job is None or not job.get("history") or \
@@ -417,6 +446,104 @@ def new_job(fields: dict, job_id: str, now: float) -> dict:
     job["attempts"] = 0
     job["created_at"] = rfc3339(now)
     return job
+
+
+# --------------------------------------------------------------------------
+# shaping: what a run, a cancel and a retry change in a record
+
+
+ERROR_LIMIT = 2000  # characters of a run's error message kept in the record
+
+# What one run leaves in a record besides its history entry: cleared before
+# the next run's are written, and by a cancel or a retry.
+RUN_FIELDS = frozenset(("exit_code", "error", "stdout", "stderr", "result", "result_dropped", "outcome"))
+
+
+def capped_error(error: str | None) -> str | None:
+    """A run's error message as the record keeps it: an exception's message
+    has no bound of its own."""
+    if error is not None and len(error) > ERROR_LIMIT:
+        return error[:ERROR_LIMIT] + f"... ({len(error)} characters)"
+    return error
+
+
+def clear_run_fields(job: dict) -> None:
+    for key in RUN_FIELDS.intersection(job):
+        del job[key]
+
+
+def add_run(job: dict, entry: dict, results: dict) -> None:
+    """Record a finished run: ``entry`` (its attempt, worker, times and
+    result) appended to the history, the attempts counted, and the last
+    run's fields replaced by ``results``."""
+    history = job.get("history")
+    if not isinstance(history, list):
+        history = []
+    history.append(entry)
+    job["history"] = history
+    job["attempts"] = entry["attempt"]
+    clear_run_fields(job)
+    job.update(results)
+
+
+def fresh_round(job: dict) -> None:
+    """Mark a dead job's record as waiting again, with its attempts
+    counted from zero (its history is kept)."""
+    job["state"] = "new"
+    job["attempts"] = 0
+    job["retried_at"] = rfc3339()
+
+
+def fitted(job: dict, limit: int) -> bytes:
+    """The record, trimmed of what runs added until it fits in max_job_bytes:
+    a record spoolq writes must never be one it refuses to read (a job
+    enqueued near the limit would go dead for its own stderr tail). Cut in
+    turn: the output tails (their starts), the result (noted as dropped),
+    the oldest history entries (counted). The job's own fields are never
+    cut: for a job that leaves no room, see RECORD_SLACK."""
+    data = dumps(job)
+    for key in ("stdout", "stderr"):
+        while len(data) > limit and isinstance(job.get(key), str):
+            text = job[key]
+            keep = len(text) - (len(data) - limit) - 256
+            if keep > 0:
+                job[key] = text[-keep:]
+            else:
+                del job[key]
+            data = dumps(job)
+    if len(data) > limit and "result" in job:
+        size = len(dumps(job["result"]))
+        del job["result"]
+        job["result_dropped"] = f"a result of {size} bytes does not fit in max_job_bytes ({limit})"
+        data = dumps(job)
+    history = job.get("history")
+    while len(data) > limit and isinstance(history, list) and len(history) > 1:
+        cut, freed = 0, 0
+        while freed < len(data) - limit and cut < len(history) - 1:
+            freed += len(dumps(history[cut]))
+            cut += 1
+        del history[:cut]
+        job["history_dropped"] = dropped_runs(job) + cut
+        data = dumps(job)
+    return data
+
+
+def dropped_runs(job: dict) -> int:
+    """How many history entries trimming has dropped from ``job`` (0 unless
+    the field is a count: a job file may hold anything there)."""
+    value = job.get("history_dropped")
+    return value if type(value) is int and value > 0 else 0
+
+
+def continues(job: dict, outcome: dict) -> bool:
+    """Whether ``outcome``'s history is ``job``'s plus one run: the job's
+    entries, less any oldest ones trimming dropped (and counted), then one."""
+    history, previous = outcome.get("history"), job.get("history") or []
+    if not isinstance(history, list) or not history or not isinstance(previous, list):
+        return False
+    kept = history[:-1]
+    dropped = len(previous) - len(kept)
+    return dropped >= 0 and previous[dropped:] == kept and dropped_runs(outcome) == dropped_runs(job) + dropped
 
 
 def target_label(job: dict) -> str:

@@ -264,14 +264,14 @@ class Spool:
         tmp/ files older than 36 hours. ``keep=0`` drops every finished
         job's row, the ones just folded included (the command asks for
         ``--yes`` before it does that)."""
-        from .index import compact
+        from .compact import compact
 
         self._open(create=True)
         return compact(self.dir, self.index(create=True), self.settings, keep)
 
     def purge_dead(self, older_than: float) -> dict[str, int]:
         """Clear dead jobs older than ``older_than`` seconds into index.db."""
-        from .index import purge_dead
+        from .compact import purge_dead
 
         self._open()
         try:
@@ -307,7 +307,7 @@ class Spool:
         limit = int(self.settings["max_job_bytes"])
         job: dict[str, Any]
         try:
-            data, st = self.dir.read(state, name, limit + record.RECORD_SLACK + 1)
+            data, st = self.dir.read(state, name, record.read_size(limit))
             job = record.parse_sized(data, job_id, limit)
         except (InvalidJob, NotRegular, OSError):
             job = None
@@ -507,11 +507,11 @@ class Spool:
     def sweep(self):
         """The recovery step alone: return abandoned jobs from cur/ (killing
         what their runs left) and remove stale tmp/ files."""
-        from . import transitions
+        from . import recovery
 
         self._open(create=True)
         try:
-            report = transitions.recover(self.context())
+            report = recovery.recover(self.context())
         finally:
             self.dir.drop_spares()
         report.tmp_removed = self.dir.remove_tmp()

@@ -1,22 +1,27 @@
-"""How a job moves between states: claim, finish, cancel, retry, quarantine
-and recovery. Every move happens while holding the file's flock, with the
-record rewritten first and then one rename, so a crash at any instant leaves
-the job in exactly one folder with a whole record.
+"""The moves of one job between states: claim, finish, cancel, retry and
+quarantine, and the checks of a file that decide them. Every move happens
+while holding the file's flock, with the record rewritten and one rename,
+in the order that lets a crash at any instant leave the job in exactly one
+folder with a whole record.
 
-The worker loop, ``spoolq sweep``, ``cancel``, ``retry`` and the Python API
-all come through here.
+The worker loop, ``cancel``, ``retry`` and the Python API come through
+here; recovery.py moves a dead worker's jobs and compact.py reads files
+with these same checks.
 """
 
 from __future__ import annotations
 
 import os
+import pwd
 import random
+import re
+import shlex
 import stat
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from . import config, procs, record, registry
+from . import config, record
 from .protocol import (
     Busy,
     Entry,
@@ -31,7 +36,6 @@ from .protocol import (
     id_problem,
     kind_of,
     listed_names,
-    staged_intact,
 )
 from .record import Incomplete, InvalidJob, rfc3339
 from .runner import Outcome
@@ -67,8 +71,6 @@ class Context:
 
 
 def _uid_of(user: str) -> int | None:
-    import pwd
-
     try:
         return pwd.getpwnam(user).pw_uid
     except KeyError:
@@ -79,8 +81,6 @@ def _uid_of(user: str) -> int | None:
 
 
 def _user_name(uid: int) -> str:
-    import pwd
-
     try:
         return pwd.getpwuid(uid).pw_name
     except KeyError:
@@ -108,8 +108,6 @@ class Claimed:
 # checking a file
 
 
-ERROR_LIMIT = 2000  # characters of a run's error message kept in the record
-
 #: A file in new/ that does not parse yet (empty, or cut short) and changed
 #: less than this many seconds ago may still be being written by someone who
 #: writes straight into new/ instead of renaming a finished file in: it is
@@ -128,13 +126,13 @@ def check(ctx: Context, st: os.stat_result, read: Callable[[int], bytes], name: 
             "add it to the trusted_users setting to run its jobs"
         )
     limit = int(ctx.settings["max_job_bytes"])
-    if st.st_size > limit + record.RECORD_SLACK:
+    if st.st_size > record.max_file_bytes(limit):
         raise InvalidJob(f"{st.st_size} bytes, larger than max_job_bytes ({limit})")
     job_id = id_of(name)
     problem = id_problem(job_id)
     if problem:
         raise InvalidJob(f"bad file name: {problem}")
-    return record.parse_sized(read(limit + record.RECORD_SLACK + 1), job_id, limit)
+    return record.parse_sized(read(record.read_size(limit)), job_id, limit)
 
 
 def dead_reason(ctx: Context, folder: str, name: str) -> str | None:
@@ -185,7 +183,7 @@ def claim(ctx: Context, entry: Entry, now_ns: int, on_quarantine: Callable[[str,
     ``on_later(name, when_ns)`` when a file that may still be being written
     is left until ``when_ns`` (see WRITER_GRACE)."""
     ready = prepare(ctx, entry, now_ns, on_quarantine, on_busy, on_later)
-    return take(ctx, ready, now_ns, on_quarantine) if ready is not None else None
+    return take(ready, now_ns, on_quarantine) if ready is not None else None
 
 
 def prepare(ctx: Context, entry: Entry, now_ns: int, on_quarantine: Callable[[str, str], None] | None = None,
@@ -194,28 +192,10 @@ def prepare(ctx: Context, entry: Entry, now_ns: int, on_quarantine: Callable[[st
     due, validate it. The file stays where it is, held only by the lock, so
     a crash (or ``held.release()``) leaves nothing to recover; other
     workers skip it meanwhile. None as for ``claim``."""
-    sp = ctx.spool
-    try:
-        held = sp.hold(entry.state, entry.name, mode=entry.mode)
-    except Busy:
-        if on_busy:
-            on_busy()
+    held = _hold_waiting(ctx, entry, on_quarantine, on_busy)
+    if held is None:
         return None
-    except (Gone, FileNotFoundError):
-        return None
-    except NotRegular as e:
-        try:
-            name = sp.move_entry(entry.state, entry.name, "dead")
-        except FileNotFoundError:
-            return None
-        sp.note_reason(name, f"{e.kind}, not a regular file")
-        if on_quarantine:
-            on_quarantine(name, f"{e.kind}, not a regular file")
-        return None
-    except PermissionError as e:
-        return _quarantine_unheld(ctx, entry, f"unreadable: {e.strerror}", on_quarantine)
     due_ns = held.st.st_mtime_ns
-    rewritten = False
     try:
         if due_ns > now_ns:  # postponed since the scan
             held.release()
@@ -223,65 +203,91 @@ def prepare(ctx: Context, entry: Entry, now_ns: int, on_quarantine: Callable[[st
         try:
             job = check(ctx, held.st, held.read, entry.name)
         except InvalidJob as e:
-            settled_ns = held.st.st_mtime_ns + int(WRITER_GRACE * 1e9)
-            if isinstance(e, Incomplete) and entry.state == "new" and now_ns < settled_ns:
-                held.release()
-                if on_later:
-                    on_later(entry.name, settled_ns)
-                return None
-            name = quarantine(ctx, held, str(e))
-            if on_quarantine:
-                on_quarantine(name, str(e))
-            return None
-        job_id = job["id"]
+            return _invalid_waiting(ctx, held, entry, e, now_ns, on_quarantine, on_later)
+        rewritten = False
         if job.get("state") is None:
-            # A file dropped by hand, seen for the first time.
-            duplicate = _duplicate_of(ctx, job_id, entry)
-            if duplicate:
-                # Renamed, so the id keeps meaning the job that had it first;
-                # moved first and annotated after, so no crash leaves it runnable.
-                reason = f"duplicate id: a job {job_id} is already in {duplicate}"
-                new_name = duplicate_name(file_name(job_id))
-                held.move("dead", new_name)
-                job.update(state="dead", error=reason, id=id_of(new_name))
-                held.rewrite(record.dumps(job))
-                held.release()
-                if on_quarantine:
-                    on_quarantine(new_name, reason)
+            rewritten = _first_sight(ctx, held, job, entry, now_ns, on_quarantine)
+            if rewritten is None:
                 return None
-            job.setdefault("created_at", rfc3339(held.st.st_mtime))
-            run_at = job.get("run_at")
-            if run_at is not None:
-                when = record.parse_time(run_at)
-                # Honour run_at once, by the mtime; from now on only the mtime
-                # counts. The marked record and its mtime land in one rename.
-                job["state"] = "new"
-                if when * 1e9 > now_ns:
-                    held.rewrite(record.dumps(job), mtime_ns=int(when * 1e9))
-                    held.release()
-                    return None
-                held.rewrite(record.dumps(job))
-                rewritten = True
         if job.get("state") == "dead":
             # Moved back from dead/ by hand (or by a retry killed before its
             # rewrite): a fresh round, noted as `spoolq retry` notes it.
             # Written down now, so a crash during the run is counted
             # against the new round.
-            job["attempts"] = 0
-            job["state"] = "new"
-            job["retried_at"] = rfc3339()
+            record.fresh_round(job)
             held.rewrite(record.dumps(job))
             rewritten = True
         # take() tells a postponement (touch -d) from our own rewrite by this
         # mtime; without a rewrite it is still the one found when locked.
         mtime_ns = os.fstat(held.fd).st_mtime_ns if rewritten else due_ns
-        return Claimed(held, job, job_id, due_ns, entry.state, mtime_ns)
+        return Claimed(held, job, job["id"], due_ns, entry.state, mtime_ns)
     except BaseException:
         held.release()
         raise
 
 
-def take(ctx: Context, ready: Claimed, now_ns: int, on_quarantine: Callable[[str, str], None] | None = None) -> Claimed | None:
+def _hold_waiting(ctx: Context, entry: Entry, on_quarantine: Callable[[str, str], None] | None,
+                  on_busy: Callable[[], None] | None) -> Held | None:
+    """The lock on a waiting file, or None: busy, gone, or no file a job
+    can be read from (then moved to dead/ as it is)."""
+    try:
+        return ctx.spool.hold(entry.state, entry.name, mode=entry.mode)
+    except Busy:
+        if on_busy:
+            on_busy()
+        return None
+    except (Gone, FileNotFoundError):
+        return None
+    except NotRegular as e:
+        return _quarantine_unheld(ctx, entry, f"{e.kind}, not a regular file", on_quarantine)
+    except PermissionError as e:
+        return _quarantine_unheld(ctx, entry, f"unreadable: {e.strerror}", on_quarantine)
+
+
+def _invalid_waiting(ctx: Context, held: Held, entry: Entry, problem: InvalidJob, now_ns: int,
+                     on_quarantine: Callable[[str, str], None] | None,
+                     on_later: Callable[[str, int], None] | None) -> None:
+    """A held waiting file that is no valid job goes to dead/, unless it
+    may still be being written (see WRITER_GRACE): then it is let go."""
+    settled_ns = held.st.st_mtime_ns + int(WRITER_GRACE * 1e9)
+    if isinstance(problem, Incomplete) and entry.state == "new" and now_ns < settled_ns:
+        held.release()
+        if on_later:
+            on_later(entry.name, settled_ns)
+        return None
+    name = quarantine(ctx, held, str(problem))
+    if on_quarantine:
+        on_quarantine(name, str(problem))
+    return None
+
+
+def _first_sight(ctx: Context, held: Held, job: dict, entry: Entry, now_ns: int,
+                 on_quarantine: Callable[[str, str], None] | None) -> bool | None:
+    """Take in a file dropped by hand, seen for the first time (its record
+    has no state). None if it is not to run now: a duplicate id (moved to
+    dead/) or a run_at still ahead (the lock let go); else whether its
+    record was rewritten."""
+    job_id = job["id"]
+    duplicate = _duplicate_of(ctx, job_id, entry)
+    if duplicate:
+        return _dead_as_duplicate(held, job, f"duplicate id: a job {job_id} is already in {duplicate}", on_quarantine)
+    job.setdefault("created_at", rfc3339(held.st.st_mtime))
+    run_at = job.get("run_at")
+    if run_at is None:
+        return False
+    when = record.parse_time(run_at)
+    # Honour run_at once, by the mtime; from now on only the mtime
+    # counts. The marked record and its mtime land in one rename.
+    job["state"] = "new"
+    if when * 1e9 > now_ns:
+        held.rewrite(record.dumps(job), mtime_ns=int(when * 1e9))
+        held.release()
+        return None
+    held.rewrite(record.dumps(job))
+    return True
+
+
+def take(ready: Claimed, now_ns: int, on_quarantine: Callable[[str, str], None] | None = None) -> Claimed | None:
     """Rename a prepared job into cur/: the claim itself. None (and the
     lock let go) if since it was prepared it was postponed (``touch -d``),
     moved away, or replaced under its name (an editor saving by rename):
@@ -297,15 +303,7 @@ def take(ctx: Context, ready: Claimed, now_ns: int, on_quarantine: Callable[[str
             # runs again. The folders are synced with the next group commit.
             held.move("cur", file_name(job_id), keep_name=True, defer_sync=True)
         except Exists:
-            reason = f"duplicate id: a job {job_id} is running"
-            new_name = duplicate_name(file_name(job_id))
-            held.move("dead", new_name)
-            job.update(state="dead", error=reason, id=id_of(new_name))
-            held.rewrite(record.dumps(job))
-            held.release()
-            if on_quarantine:
-                on_quarantine(new_name, reason)
-            return None
+            return _dead_as_duplicate(held, job, f"duplicate id: a job {job_id} is running", on_quarantine)
         except FileNotFoundError:
             held.release()
             return None
@@ -313,6 +311,21 @@ def take(ctx: Context, ready: Claimed, now_ns: int, on_quarantine: Callable[[str
     except BaseException:
         held.release()
         raise
+
+
+def _dead_as_duplicate(held: Held, job: dict, reason: str,
+                       on_quarantine: Callable[[str, str], None] | None) -> None:
+    """Move a held job whose id another job has to dead/, under a
+    ``.dup-`` name so the id keeps meaning the job that had it first. Moved
+    first and annotated after, so no crash leaves it runnable."""
+    new_name = duplicate_name(file_name(job["id"]))
+    held.move("dead", new_name)
+    job.update(state="dead", error=reason, id=id_of(new_name))
+    held.rewrite(record.dumps(job))
+    held.release()
+    if on_quarantine:
+        on_quarantine(new_name, reason)
+    return None
 
 
 def _quarantine_unheld(ctx, entry, reason, on_quarantine):
@@ -345,14 +358,6 @@ def _duplicate_of(ctx: Context, job_id: str, entry: Entry) -> str | None:
 # finish
 
 
-_RUN_FIELDS = frozenset(("exit_code", "error", "stdout", "stderr", "result", "result_dropped", "outcome"))
-
-
-def _clear_run_fields(job: dict) -> None:
-    for key in _RUN_FIELDS.intersection(job):
-        del job[key]
-
-
 def decide(ctx: Context, job: dict, out: Outcome, attempt: int) -> str:
     """Where a job goes after a run: done, failed or dead."""
     if out.ok:
@@ -379,9 +384,7 @@ def finish(ctx: Context, claimed: Claimed, out: Outcome, worker_id: str, due_now
     attempt = claimed.attempt
     now = time.time()
     end = rfc3339(out.end or now)
-    error = out.error
-    if error is not None and len(error) > ERROR_LIMIT:  # an exception's message has no bound of its own
-        error = error[:ERROR_LIMIT] + f"... ({len(error)} characters)"
+    error = record.capped_error(out.error)
     entry: dict[str, Any] = {
         "attempt": attempt,
         "worker": worker_id,
@@ -389,27 +392,18 @@ def finish(ctx: Context, claimed: Claimed, out: Outcome, worker_id: str, due_now
         "start": rfc3339(out.start),
         "end": end,
     }
+    results: dict[str, Any] = {}
     if out.exit_code is not None:
-        entry["exit_code"] = out.exit_code
+        entry["exit_code"] = results["exit_code"] = out.exit_code
     if error is not None:
-        entry["error"] = error
-    history = job.get("history")
-    if not isinstance(history, list):
-        history = []
-    history.append(entry)
-    job["history"] = history
-    job["attempts"] = attempt
-    _clear_run_fields(job)
-    if out.exit_code is not None:
-        job["exit_code"] = out.exit_code
-    if error is not None:
-        job["error"] = error
+        entry["error"] = results["error"] = error
     if out.stdout:
-        job["stdout"] = out.stdout
+        results["stdout"] = out.stdout
     if out.stderr:
-        job["stderr"] = out.stderr
+        results["stderr"] = out.stderr
     if out.has_result:
-        job["result"] = out.result
+        results["result"] = out.result
+    record.add_run(job, entry, results)
     dest = decide(ctx, job, out, attempt)
     due: float | None = None
     if dest == "done":
@@ -418,17 +412,17 @@ def finish(ctx: Context, claimed: Claimed, out: Outcome, worker_id: str, due_now
         if due_now or out.interrupted:
             due = now
         else:
-            due = now + _backoff(ctx, attempt)
+            due = now + backoff(ctx, attempt)
     job["state"] = dest
     job["finished_at" if dest != "failed" else "failed_at"] = end
-    data = _fitted(job, int(ctx.settings["max_job_bytes"]))
+    data = record.fitted(job, int(ctx.settings["max_job_bytes"]))
     if stage and claimed.held.stage(data):
         return dest, due
-    _write_and_move(claimed.held, job, dest, due, defer_sync, data)
+    write_and_move(claimed.held, job, dest, due, defer_sync, data)
     return dest, due
 
 
-def unclaim(ctx: Context, claimed: Claimed) -> str:
+def unclaim(claimed: Claimed) -> str:
     """Move a claimed job that never started back to the folder it was
     taken from, record and due time unchanged (a claim rewrites neither in
     cur/), and let it go. One rename: a crash before it leaves the job in
@@ -439,48 +433,7 @@ def unclaim(ctx: Context, claimed: Claimed) -> str:
     return claimed.origin
 
 
-def _fitted(job: dict, limit: int) -> bytes:
-    """The record, trimmed of what runs added until it fits in max_job_bytes:
-    a record spoolq writes must never be one it refuses to read (a job
-    enqueued near the limit would go dead for its own stderr tail). Cut in
-    turn: the output tails (their starts), the result (noted as dropped),
-    the oldest history entries (counted). The job's own fields are never
-    cut: for a job that leaves no room, see record.RECORD_SLACK."""
-    data = record.dumps(job)
-    for key in ("stdout", "stderr"):
-        while len(data) > limit and isinstance(job.get(key), str):
-            text = job[key]
-            keep = len(text) - (len(data) - limit) - 256
-            if keep > 0:
-                job[key] = text[-keep:]
-            else:
-                del job[key]
-            data = record.dumps(job)
-    if len(data) > limit and "result" in job:
-        size = len(record.dumps(job["result"]))
-        del job["result"]
-        job["result_dropped"] = f"a result of {size} bytes does not fit in max_job_bytes ({limit})"
-        data = record.dumps(job)
-    history = job.get("history")
-    while len(data) > limit and isinstance(history, list) and len(history) > 1:
-        cut, freed = 0, 0
-        while freed < len(data) - limit and cut < len(history) - 1:
-            freed += len(record.dumps(history[cut]))
-            cut += 1
-        del history[:cut]
-        job["history_dropped"] = dropped_runs(job) + cut
-        data = record.dumps(job)
-    return data
-
-
-def dropped_runs(job: dict) -> int:
-    """How many history entries trimming has dropped from ``job`` (0 unless
-    the field is a count: a job file may hold anything there)."""
-    value = job.get("history_dropped")
-    return value if type(value) is int and value > 0 else 0
-
-
-def _backoff(ctx: Context, failures: int) -> float:
+def backoff(ctx: Context, failures: int) -> float:
     """Seconds until the retry after the ``failures``-th failed run (with jitter)."""
     return config.backoff(ctx.settings, failures, random.uniform(-0.1, 0.1))
 
@@ -490,15 +443,18 @@ def complete(held: Held, dest: str, due: float | None) -> None:
     the record durable: swap it in and move the job to ``dest`` (the folder
     fsyncs deferred, as with ``finish(defer_sync=True)``)."""
     held.commit_staged()
-    if due is not None:
-        held.set_mtime(int(due * 1e9))
-    held.move(dest, defer_sync=True)
-    held.release()
+    _move_on(held, dest, due, defer_sync=True)
 
 
-def _write_and_move(held: Held, job: dict, dest: str, due: float | None, defer_sync: bool = False,
-                    data: bytes | None = None) -> None:
+def write_and_move(held: Held, job: dict, dest: str, due: float | None, defer_sync: bool = False,
+                   data: bytes | None = None) -> None:
+    """Rewrite a held job's record (``data``, else ``job`` serialised) and
+    move it to ``dest``, due at ``due`` when given."""
     held.rewrite(record.dumps(job) if data is None else data)
+    _move_on(held, dest, due, defer_sync)
+
+
+def _move_on(held: Held, dest: str, due: float | None, defer_sync: bool) -> None:
     if due is not None:
         held.set_mtime(int(due * 1e9))
     held.move(dest, defer_sync=defer_sync)
@@ -519,9 +475,7 @@ def _find_held(ctx: Context, job_id: str, states: tuple[str, ...]) -> Held | Non
             for name in (file_name(job_id), job_id):
                 try:
                     return ctx.spool.hold(state, name)
-                except (FileNotFoundError, Gone):
-                    continue
-                except NotRegular:
+                except (FileNotFoundError, Gone, NotRegular):
                     continue
     return None
 
@@ -565,7 +519,7 @@ def cancel(ctx: Context, job_id: str, on_note: Callable[[str], None] | None = No
             job = check(ctx, held.st, held.read, held.name)
         except InvalidJob as e:
             raise NotPossible(f"job {job_id} is not a valid job ({e}); a worker will move it to dead/") from None
-        _clear_run_fields(job)
+        record.clear_run_fields(job)
         job["state"] = "done"
         job["outcome"] = "cancelled"
         job["finished_at"] = rfc3339()
@@ -610,7 +564,7 @@ def retry(ctx: Context, job_id: str, on_note: Callable[[str], None] | None = Non
             except FileNotFoundError:
                 regular = True
             if not regular:
-                raise NotPossible(f"dead/{where[1]} is not a regular file, so not a job to retry; move or remove it by hand")
+                raise NotPossible(_not_a_job_to_retry(where[1]))
             raise NotPossible(f"job {job_id} is moving (it just reached dead/); try again")
         raise NotPossible(f"job {job_id} is in {where[0]}/, not dead/")
     try:
@@ -619,12 +573,13 @@ def retry(ctx: Context, job_id: str, on_note: Callable[[str], None] | None = Non
         held.release()
 
 
+def _not_a_job_to_retry(name: str) -> str:
+    return f"dead/{name} is not a regular file, so not a job to retry; move or remove it by hand"
+
+
 def _rename_hint(ctx: Context, name: str) -> str:
     """Why a dead file under a name that is no valid id cannot be retried,
     and the command that gives it a free, valid one."""
-    import re
-    import shlex
-
     job_id = id_of(name)
     base = re.sub(r"\.{2,}", ".", re.sub(r"[^A-Za-z0-9._-]+", "_", job_id)).lstrip(".")[:120] or "job"
     fresh, n = base, 1
@@ -662,10 +617,8 @@ def _retry_held(ctx: Context, held: Held, on_note: Callable[[str], None] | None)
         raise NotPossible(f"new/{target} already exists; the dead job stays in dead/") from None
     except FileNotFoundError:  # a lock does not stop `mv`
         raise NotPossible(f"dead/{held.name} was moved away meanwhile (by hand?); it was not retried") from None
-    _clear_run_fields(job)
-    job["state"] = "new"
-    job["attempts"] = 0
-    job["retried_at"] = rfc3339()
+    record.clear_run_fields(job)
+    record.fresh_round(job)
     _rewrite_after_move(ctx, held, record.dumps(job), "new", on_note,
                         f"job {id_of(target)} is back in new/, but its record could not be updated",
                         "a worker still gives it a fresh round")
@@ -703,7 +656,7 @@ def retry_all(ctx: Context, on_problem: Callable[[str], None] | None = None,
         except Busy:
             problem = f"dead/{name} is busy (another command holds it); try again"
         except NotRegular:
-            problem = f"dead/{name} is not a regular file, so not a job to retry; move or remove it by hand"
+            problem = _not_a_job_to_retry(name)
         except PermissionError as e:
             problem = f"dead/{name} cannot be opened: {e.strerror}"
         else:
@@ -720,215 +673,3 @@ def retry_all(ctx: Context, on_problem: Callable[[str], None] | None = None,
         if on_problem:
             on_problem(problem)
     return moved
-
-
-# --------------------------------------------------------------------------
-# recovery
-
-
-@dataclass
-class RecoveryReport:
-    recovered: int = 0  # jobs returned to failed/
-    dead: int = 0  # jobs out of attempts, moved to dead/
-    completed: int = 0  # runs that had finished but not moved on
-    quarantined: int = 0
-    killed: int = 0  # leftover processes killed
-    left_running: int = 0  # jobs left in cur/: their runs' processes live on, not ours to kill
-    workers: int = 0  # dead worker registrations cleared
-    tmp_removed: int = 0  # stale tmp/ files removed (sweep)
-
-
-def recover(ctx: Context) -> RecoveryReport:
-    """Return every job a dead worker left in cur/ to failed/ (due now), its
-    interrupted run counted as an attempt, or to dead/ when none are left.
-    First kill the processes those runs left alive. Jobs are held a batch
-    at a time, at most a quarter of the open-file limit (a crash of many
-    worker processes can leave more jobs in cur/ than a low limit allows
-    open at once); each is tried once."""
-    report = RecoveryReport()
-    batch = max(1, procs.open_file_limit() // 4)
-    tried: set[str] = set()
-    while _recover_batch(ctx, report, batch, tried) >= batch:
-        pass
-    return report
-
-
-def _recover_batch(ctx: Context, report: RecoveryReport, batch: int, tried: set[str]) -> int:
-    """Recover up to ``batch`` unlocked cur/ jobs not in ``tried``; returns how many it held."""
-    sp = ctx.spool
-    held: list[Held] = []
-    for name in sorted(sp.names("cur")):
-        if len(held) >= batch:
-            break
-        if name in tried:
-            continue
-        tried.add(name)
-        try:
-            held.append(sp.hold("cur", name))
-        except (Busy, Gone, FileNotFoundError):
-            continue
-        except (NotRegular, PermissionError):
-            try:
-                sp.move_entry("cur", name, "dead")
-                report.quarantined += 1
-            except FileNotFoundError:
-                pass
-    held_ids = {id_of(h.name) for h in held}
-    staged = sp.staged_records() if held else {}
-    dead_workers: list[registry.DeadRegistration] = []
-    try:
-        dead_workers = registry.take_dead(sp, wait_for=held_ids, trusted=ctx.trusted_uids)
-        runs: dict[str, tuple[registry.DeadRegistration, dict]] = {}
-        for reg in dead_workers:
-            report.killed += reg.kill_processes()
-            for job_id, entry in reg.jobs.items():
-                if not isinstance(entry, dict) or not isinstance(entry.get("attempt"), int):
-                    continue
-                # Two dead workers may both list a job (one entry stale): the
-                # latest attempt is the run that was interrupted.
-                if job_id not in runs or entry["attempt"] > runs[job_id][1]["attempt"]:
-                    runs[job_id] = (reg, entry)
-        # A run whose processes live on and are not ours to kill (a worker of
-        # another user died) keeps its job in cur/, and its registration
-        # entry, until they end: recovered now, it would run twice at once.
-        # (A run that had finished is completed all the same: it runs no more.)
-        still_running = set().union(*(reg.unkillable for reg in dead_workers))
-        recovered_ids = set(held_ids)
-        for h in held:
-            if _recover_one(ctx, h, runs.get(id_of(h.name)), staged.get(h.name, ()), report,
-                            dead_workers[0] if dead_workers else None, id_of(h.name) in still_running):
-                recovered_ids.discard(id_of(h.name))
-        for reg in dead_workers:
-            # Clear a registration only when none of its jobs is left in cur/
-            # for another recovery (which holds it right now) to handle, or
-            # for a later one; else just forget the runs recovered here.
-            if any(job_id not in recovered_ids and sp.find((file_name(job_id),), ("cur",)) for job_id in reg.jobs):
-                reg.forget(recovered_ids)
-            else:
-                reg.remove()
-                report.workers += 1
-    finally:
-        # Whatever failed, hold nothing: a worker lives on after its recovery.
-        for h in held:
-            h.release()
-        for reg in dead_workers:
-            reg.release()
-    return len(held)
-
-
-def _recover_one(ctx: Context, held: Held, run: tuple | None, staged: tuple[str, ...] | list[str],
-                 report: RecoveryReport, spare_reg: registry.DeadRegistration | None = None,
-                 processes_live: bool = False) -> bool:
-    """Recover one job; True if it was left in cur/ (see _recover_held)."""
-    staged_held: list[Held] = []
-    try:
-        if _recover_held(ctx, held, run, staged, staged_held, report, spare_reg, processes_live):
-            return True
-        # Only now, with the job out of cur/, are its staged records spent.
-        for h in staged_held:
-            h.unlink()
-        return False
-    finally:
-        for h in staged_held:
-            h.release()
-
-
-def _recover_held(ctx: Context, held: Held, run: tuple | None, staged: tuple[str, ...] | list[str],
-                  staged_held: list[Held], report: RecoveryReport,
-                  spare_reg: registry.DeadRegistration | None = None, processes_live: bool = False) -> bool:
-    """Move a dead worker's job on; True if it is left in cur/ instead: an
-    interrupted run whose processes live on (``processes_live``)."""
-    try:
-        job = check(ctx, held.st, held.read, held.name)
-    except InvalidJob as e:
-        quarantine(ctx, held, str(e))
-        report.quarantined += 1
-        return False
-    attempts = int(job.get("attempts") or 0)
-    reg, entry = run if run else (None, None)
-    run_attempt = entry.get("attempt") if entry and isinstance(entry.get("attempt"), int) else attempts + 1
-    finished = job.get("state") in ("done", "dead")  # never claimed in that state: a recorded finish
-    if not finished:
-        outcome = _staged_outcome(ctx, staged, job, run_attempt, staged_held)
-        if outcome is not None:
-            # The run finished and its record was staged, but not swapped in.
-            job, finished = outcome, True
-    if finished or (attempts >= run_attempt and job.get("state") == "failed"):
-        # The run finished and was recorded; only the last rename was lost.
-        # A failed run's retry waits its backoff, as it would have.
-        due = None
-        if job["state"] == "failed":
-            due = time.time() + _backoff(ctx, int(job.get("attempts") or 1))
-        _write_and_move(held, job, job["state"], due)
-        report.completed += 1
-        return False
-    if processes_live:
-        report.left_running += 1
-        return True
-    worker_id = str(reg.info.get("worker")) if reg else None
-    started = entry.get("started_at") if entry else None
-    start = time.time()
-    if isinstance(started, str):
-        try:
-            start = record.parse_time(started)
-        except ValueError:
-            pass
-    if entry is None and spare_reg is not None:
-        # No registration lists this run (its worker died before writing it
-        # down). The interrupted record written next says it is run
-        # ``run_attempt``; should this recovery die before moving it on, the
-        # next one must find the run listed, or it counts it a second time.
-        try:
-            spare_reg.note_run(job["id"], run_attempt)
-        except OSError:
-            pass
-    job["attempts"] = run_attempt - 1
-    out = Outcome(start=start, end=time.time(), error="interrupted: the worker running it died", interrupted=True)
-    claimed = Claimed(held, job, job["id"], held.st.st_mtime_ns, "cur")
-    dest, _ = finish(ctx, claimed, out, worker_id or "unknown", due_now=True)
-    if dest == "dead":
-        report.dead += 1
-    else:
-        report.recovered += 1
-    return False
-
-
-def _continues(job: dict, outcome: dict) -> bool:
-    """Whether ``outcome``'s history is ``job``'s plus one run: the job's
-    entries, less any oldest ones trimming dropped (and counted), then one."""
-    history, previous = outcome.get("history"), job.get("history") or []
-    if not isinstance(history, list) or not history or not isinstance(previous, list):
-        return False
-    kept = history[:-1]
-    dropped = len(previous) - len(kept)
-    return dropped >= 0 and previous[dropped:] == kept and dropped_runs(outcome) == dropped_runs(job) + dropped
-
-
-def _staged_outcome(ctx: Context, names: tuple[str, ...] | list[str], job: dict, run_attempt: int,
-                    staged_held: list[Held]) -> dict | None:
-    """The finished record of run ``run_attempt`` of ``job`` among the
-    staged records ``names`` (each held and added to ``staged_held``):
-    whole (its CRC matches), valid, and the outcome of exactly that run
-    (its history is the job's plus that run's entry)."""
-    sp = ctx.spool
-    found = None
-    for name in names:
-        try:
-            h = sp.hold("cur", name)
-        except (Busy, Gone, NotRegular):
-            continue  # a live process's, or gone: not ours to judge
-        staged_held.append(h)
-        limit = int(ctx.settings["max_job_bytes"])
-        if found is not None or h.st.st_uid not in ctx.trusted_uids or h.st.st_size > limit + record.RECORD_SLACK:
-            continue
-        data = h.read(limit + record.RECORD_SLACK)
-        if not staged_intact(name, data):
-            continue  # torn by a power cut, or an old inode left under this name
-        try:
-            outcome = record.parse_sized(data, job["id"], limit)
-        except InvalidJob:
-            continue
-        if outcome.get("attempts") == run_attempt and outcome.get("state") in ("done", "failed", "dead") \
-                and _continues(job, outcome):
-            found = outcome
-    return found

@@ -1,0 +1,139 @@
+"""Compaction and purge: finished files folded from their folders into the
+index. ``compact`` folds done/ (and drops old history, and stale tmp/
+files); ``purge_dead`` folds the dead/ files older than a cutoff, a
+deliberate act compaction never takes on its own.
+
+Each file is locked, read with the checks every transition makes, its row
+committed, and only then removed (still locked): a crash at any point
+leaves every record in the index, in its folder, or in both, and the next
+fold skips what the index holds already (see Index.add).
+"""
+
+from __future__ import annotations
+
+import base64
+import errno
+import time
+from typing import Any
+
+from . import procs, record
+from .index import Index
+from .protocol import Busy, Gone, Held, NotRegular, SpoolDir, id_of
+from .transitions import Context, check
+
+FOLD_BATCH = 2000  # files a fold holds and commits at once, where the descriptor limit allows
+
+
+def fold(spool: SpoolDir, index: Index, folder: str, names: list[str], settings: dict) -> tuple[int, int]:
+    """Move the given files of ``folder`` into the index, a batch at a time
+    (see _held_at_once): lock each file, commit its row, then remove it
+    (still locked). Files that are busy, gone or unreadable are left where
+    they are. Returns (jobs folded, files left)."""
+    ctx = Context(spool, settings)
+    batch = _held_at_once(FOLD_BATCH)
+    folded = left = 0
+    pos = 0
+    while pos < len(names):
+        held_batch = []
+        rows = []
+        try:
+            while pos < len(names) and len(held_batch) < batch:
+                name = names[pos]
+                try:
+                    held = spool.hold(folder, name)
+                except (Busy, Gone, FileNotFoundError, NotRegular, PermissionError):
+                    left += 1
+                    pos += 1
+                    continue
+                except OSError as e:
+                    if e.errno in (errno.EMFILE, errno.ENFILE) and held_batch:
+                        break  # out of descriptors after all: fold what is held, then go on
+                    raise
+                pos += 1
+                row = _row(ctx, folder, name, held)
+                if row is None:
+                    held.release()
+                    left += 1
+                    continue
+                held_batch.append(held)
+                rows.append(row)
+            if not rows:
+                continue
+            index.add(rows)
+            for held in held_batch:
+                held.unlink()
+            spool.sync_dir(folder)
+            folded += len(rows)
+        finally:
+            for held in held_batch:
+                held.release()
+    return folded, left
+
+
+def _row(ctx: Context, folder: str, name: str, held: Held) -> tuple[dict, str, float] | None:
+    """What the index stores of a held file: (record, state, finish time),
+    or None for a file to leave where it is (only a deliberate purge takes
+    an invalid one)."""
+    try:
+        job = check(ctx, held.st, held.read, name)
+    except (record.InvalidJob, OSError) as e:
+        if folder != "dead":
+            return None
+        job = _invalid_record(name, held, e, int(ctx.settings["max_job_bytes"]))
+    kept = ctx.spool.noted_reason(name) if folder == "dead" else None
+    if kept is not None and (job.get("invalid") or job.get("error") is None):
+        job["error"] = kept  # why it went to dead/, whatever was written into it since
+    if folder == "done":
+        job = record.as_done(job)
+    finished = record.time_or_none(job.get("finished_at")) or held.st.st_mtime
+    return job, "done" if folder == "done" else "dead", finished
+
+
+def _invalid_record(name: str, held: Held, problem: Exception, limit: int) -> dict:
+    """What the index keeps of a dead file that is no valid job: why it is
+    invalid and its bytes exactly (``raw`` when they are UTF-8, else
+    ``raw_base64``), the first ``limit`` (max_job_bytes) of them only, with
+    its size, when it is larger."""
+    reason = str(problem) if isinstance(problem, record.InvalidJob) else f"unreadable: {problem}"
+    job: dict[str, Any] = {"id": id_of(name), "invalid": True, "error": reason}
+    try:
+        raw = held.read(limit)
+    except OSError as e:
+        return dict(job, raw_error=f"unreadable: {e.strerror}")
+    try:
+        job["raw"] = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        job["raw_base64"] = base64.b64encode(raw).decode("ascii")
+    if held.size > len(raw):
+        job.update(raw_bytes=held.size, raw_truncated=True)
+    return job
+
+
+def _held_at_once(batch: int) -> int:
+    """How many files a fold may hold open at once: each is a descriptor,
+    and a soft limit of 1024 (the usual default, systemd's too) would fail
+    a batch of 2,000. A quarter of the limit leaves the rest to SQLite and
+    the worker."""
+    return max(1, min(batch, procs.open_file_limit() // 4))
+
+
+def compact(spool: SpoolDir, index: Index, settings: dict, keep: float | None = None) -> dict[str, int]:
+    """Fold done/ into the index, drop history older than ``keep`` seconds,
+    and remove tmp/ files older than 36 hours."""
+    started = time.monotonic()
+    names = sorted(spool.names("done"))
+    folded, left = fold(spool, index, "done", names, settings)
+    dropped = index.drop_older(time.time() - keep) if keep is not None else 0
+    tmp_removed = spool.remove_tmp()
+    return {"folded": folded, "left": left, "dropped": dropped, "tmp_removed": tmp_removed,
+            "seconds": round(time.monotonic() - started, 3)}
+
+
+def purge_dead(spool: SpoolDir, index: Index, settings: dict, older_than: float) -> dict[str, int]:
+    """Clear dead jobs whose file is older than ``older_than`` seconds into the
+    index (a deliberate act: compaction never touches dead/)."""
+    cutoff = time.time() - older_than
+    names = sorted(n for n, st in spool.entries("dead") if st.st_mtime < cutoff)
+    folded, left = fold(spool, index, "dead", names, settings)
+    return {"purged": folded, "left": left}
+
