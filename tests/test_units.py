@@ -17,7 +17,7 @@ from spoolq.config import ConfigError
 from spoolq.protocol import id_problem
 from spoolq.record import MAX_EPOCH, MAX_TIMEOUT, Incomplete, InvalidJob
 from spoolq.runner import _tail_text as tail_text
-from spoolq.transitions import _fitted as fitted
+from spoolq.record import fitted
 
 quick = settings(max_examples=200, deadline=None)
 
