@@ -13,6 +13,7 @@ import math
 import os
 from typing import Any
 
+from .errors import ConfigError  # noqa: F401 - importable from here too
 from .record import MAX_TIMEOUT, parse_duration
 
 DEFAULTS: dict[str, Any] = {
@@ -44,10 +45,6 @@ HELP = {
     "compact_after": "fold done/ into index.db when it holds more files (0 = never)",
     "rescan_interval": "seconds between full rescans in watch mode",
 }
-
-
-class ConfigError(ValueError):
-    """A bad key or value; the message says which and why."""
 
 
 # Durations are capped at ten years, as a job's timeout is: a due time or a

@@ -14,6 +14,8 @@ import sys
 import threading
 from typing import Any, NoReturn
 
+from .errors import ConfigError, DuplicateId, InvalidJob, NoSuchGroup, NotASpool, SpoolError
+
 LOGGER = "spoolq"  # the logger whose records the worker's log lines are
 
 
@@ -64,12 +66,7 @@ def fail_for(error: BaseException) -> NoReturn:
 
     1: the request could not be done; 2: invalid input or settings;
     130: interrupted; 141: the reader of stdout went away."""
-    from . import config
-    from .protocol import NoSuchGroup, SpoolError
-    from .record import InvalidJob
-    from .spool import DuplicateId
-
-    if isinstance(error, (InvalidJob, config.ConfigError, NoSuchGroup)):
+    if isinstance(error, (InvalidJob, ConfigError, NoSuchGroup)):
         fail(str(error), 2)
     if isinstance(error, (DuplicateId, SpoolError)):
         fail(str(error), 1)
@@ -113,7 +110,7 @@ def _blocked_by(path: str) -> str | None:
 
 def require_spool(spool) -> None:
     """Exit 1 with a hint when the path holds no spool."""
-    from .protocol import NotASpool, refuse_non_directory
+    from .protocol import refuse_non_directory
 
     if spool.dir.exists():
         return

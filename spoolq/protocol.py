@@ -29,6 +29,7 @@ import zlib
 from typing import Iterator, NamedTuple
 
 from . import procs
+from .errors import Busy, Exists, Gone, NoSuchGroup, NotASpool, NotRegular, SpoolError  # noqa: F401 - importable from here too
 
 STATES = ("new", "cur", "failed", "dead", "done")
 WAITING = ("new", "failed")
@@ -56,46 +57,6 @@ STAGED_PREFIX = ".staged."
 REASON_PREFIX = ".reason."
 
 _ID_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}\Z")
-
-
-class SpoolError(Exception):
-    """A problem with the spool itself (layout, permissions, filesystem)."""
-
-
-class NotASpool(SpoolError):
-    """The path holds no spool: missing, or a directory without the layout.
-    Reading a spool never creates one, so a mistyped path is said, not
-    turned into an empty spool."""
-
-    def __init__(self, path: str):
-        import shlex
-
-        super().__init__(f"{path} is not a spool (create one with: spoolq -s {shlex.quote(path)} init)")
-        self.path = path
-
-
-class Busy(Exception):
-    """The file is locked by someone else."""
-
-
-class Gone(Exception):
-    """The file moved away or was replaced before we could hold it."""
-
-
-class NotRegular(Exception):
-    """The entry is not a regular file (symlink, FIFO, directory, device)."""
-
-    def __init__(self, kind: str):
-        super().__init__(kind)
-        self.kind = kind
-
-
-class NoSuchGroup(ValueError):
-    """``init --group`` names a group this system does not have (invalid input)."""
-
-
-class Exists(Exception):
-    """The destination name is taken."""
 
 
 # --------------------------------------------------------------------------

@@ -43,12 +43,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from . import procs, record
+from .errors import Permanent  # noqa: F401 - importable from here too
 
 PERMANENT_EXIT = 100
-
-
-class Permanent(Exception):
-    """Raise from a handler to fail its job for good: straight to dead/, no retries."""
 
 
 _NO_RESULT = object()

@@ -16,29 +16,10 @@ import time
 from typing import Any, Callable, Iterator, Mapping
 
 from . import config, record
-from .protocol import STATES, Exists, NotRegular, SpoolDir, SpoolError, file_name, id_of, id_problem, new_id, refuse_non_directory
-from .record import InvalidJob
+from .errors import DuplicateId, Exists, InvalidJob, NotRegular, PartlyEnqueued, SpoolError  # noqa: F401 - importable from here too
+from .protocol import STATES, SpoolDir, file_name, id_of, id_problem, new_id, refuse_non_directory
 
 _UNSET = object()
-
-
-class DuplicateId(Exception):
-    """An id that is already present in the spool (a state folder or the index)."""
-
-
-class PartlyEnqueued(SpoolError):
-    """``enqueue_many`` failed after it had published some of its jobs
-    (a full disk, a duplicate id met at the last step): ``ids`` are the
-    jobs that are in ``new/`` and will run, in order; the rest are not."""
-
-    def __init__(self, ids: list[str], total: int, cause: str):
-        if len(ids) < total:
-            message = f"only the first {len(ids)} of {total} jobs were enqueued; the rest were not: {cause}"
-        else:
-            message = f"all {total} jobs are in new/ and will run, but new/ could not be synced: {cause}"
-        super().__init__(message)
-        self.ids = ids
-        self.total = total
 
 
 class Spool:

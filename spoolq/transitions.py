@@ -17,13 +17,10 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from . import config, procs, record, registry
+from .errors import Busy, Exists, Gone, Incomplete, InvalidJob, JobNotFound, NotPossible, NotRegular  # noqa: F401 - JobNotFound, NotPossible: importable from here too
 from .protocol import (
-    Busy,
     Entry,
-    Exists,
-    Gone,
     Held,
-    NotRegular,
     SpoolDir,
     duplicate_name,
     file_name,
@@ -33,16 +30,8 @@ from .protocol import (
     listed_names,
     staged_intact,
 )
-from .record import Incomplete, InvalidJob, rfc3339
+from .record import rfc3339
 from .runner import Outcome
-
-
-class JobNotFound(LookupError):
-    """No job with that id in this spool."""
-
-
-class NotPossible(Exception):
-    """The job exists but the request does not apply to its state."""
 
 
 @dataclass

@@ -33,6 +33,7 @@ import time
 from typing import Any, Callable, TextIO
 
 from . import config, procs, transitions
+from .errors import ForcedStop  # noqa: F401 - importable from here too
 from .output import LOGGER, LinePrinter, one_line
 from .protocol import Entry
 from .registry import Registration
@@ -69,10 +70,6 @@ PROBE_CLAIMS = 64  # ... once an eighth of this many claims in a row waited for 
 RELAYED_SIGNALS = procs.RELAYED_SIGNALS  # stop, stop now: from the parent of a worker pool
 STOPPING = "no new jobs; running jobs finish (a second SIGTERM or SIGINT kills them)"
 STOPPING_NOW = "running jobs are killed and go back to failed/"
-
-
-class ForcedStop(BaseException):
-    """Raised into an in-process handler when the worker must stop now."""
 
 
 class Log:
