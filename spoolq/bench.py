@@ -18,7 +18,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .protocol import refuse_non_directory, syncfs
+from .linux import syncfs
+from .protocol import refuse_non_directory
 from .spool import Spool
 
 SPOOLQ_CMD = [sys.executable, "-m", "spoolq"]

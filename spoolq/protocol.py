@@ -22,13 +22,12 @@ import itertools
 import os
 import re
 import stat
-import sys
 import threading
 import time
 import zlib
 from typing import Iterator, NamedTuple
 
-from . import procs
+from . import linux, procs
 from .errors import Busy, Exists, Gone, NoSuchGroup, NotASpool, NotRegular, SpoolError  # noqa: F401 - importable from here too
 
 STATES = ("new", "cur", "failed", "dead", "done")
@@ -204,17 +203,8 @@ _renameat2_state = 0  # 0 unknown, 1 available, -1 unsupported here
 
 def _load_renameat2():
     global _renameat2, _renameat2_state
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        func = libc.renameat2
-        func.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-        func.restype = ctypes.c_int
-        _renameat2 = (func, ctypes.get_errno)
-        _renameat2_state = 1
-    except (OSError, AttributeError):
-        _renameat2_state = -1
+    _renameat2 = linux.renameat2()
+    _renameat2_state = 1 if _renameat2 else -1
 
 
 def rename_noreplace(src_dir: int, src: str, dst_dir: int, dst: str) -> None:
@@ -589,7 +579,7 @@ class SpoolDir:
         if len(fds) == 1:
             os.fdatasync(fds[0])
         else:
-            syncfs(self.fd("cur"))
+            linux.syncfs(self.fd("cur"))
 
     def staged_records(self) -> dict[str, list[str]]:
         """The staged records in cur/ (see ``Held.stage``), by the name of
@@ -707,7 +697,7 @@ class SpoolDir:
                 written.append((tmp, name))
                 _close_held(fd)
             if self.fsync and written:
-                syncfs(tmp_dir)
+                linux.syncfs(tmp_dir)
             new_dir = self.fd("new")
             for tmp, name in written:
                 rename_noreplace(tmp_dir, tmp, new_dir, name)
@@ -1305,42 +1295,11 @@ def _changed_before(entry: os.DirEntry, when: float) -> bool:
         return False
 
 
-_statx_func = None
-
-
-def _birth_ns(dir_fd: int, name: str) -> int:
-    """When the file was created (statx's btime), in ns; 0 where the kernel,
-    C library or filesystem do not say."""
-    global _statx_func
-    if _statx_func is None:
-        try:
-            import ctypes
-
-            libc = ctypes.CDLL(None, use_errno=True)
-            func = libc.statx
-            func.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint, ctypes.c_char_p]
-            func.restype = ctypes.c_int
-            _statx_func = (func, ctypes.create_string_buffer)
-        except (OSError, AttributeError):
-            _statx_func = False
-    if not _statx_func:
-        return 0
-    func, make_buffer = _statx_func
-    buf = make_buffer(256)  # struct statx
-    # AT_SYMLINK_NOFOLLOW, STATX_BTIME; stx_mask at 0, stx_btime (s64 sec, u32 nsec) at 80
-    if func(dir_fd, os.fsencode(name), 0x100, 0x800, buf) != 0:
-        return 0
-    raw = buf.raw
-    if not int.from_bytes(raw[0:4], sys.byteorder) & 0x800:
-        return 0
-    return int.from_bytes(raw[80:88], sys.byteorder, signed=True) * 1_000_000_000 + int.from_bytes(raw[88:92], sys.byteorder)
-
-
 def _identity(dir_fd: int, name: str, st: os.stat_result) -> str:
     """What tells a file from another given its name later, yet stays the
     same while it is written to: its inode, and the time it was created
     (an inode number is often reused at once once its file is removed)."""
-    return f"{st.st_ino} {st.st_dev} {_birth_ns(dir_fd, name)}"
+    return f"{st.st_ino} {st.st_dev} {linux.birth_ns(dir_fd, name)}"
 
 
 def staged_job_name(name: str) -> str | None:
@@ -1432,29 +1391,3 @@ def _unlink_quietly(dir_fd: int, name: str) -> None:
         os.unlink(name, dir_fd=dir_fd)
     except OSError:
         pass
-
-
-_syncfs_func = None
-
-
-def syncfs(fd: int) -> None:
-    """Flush the whole filesystem holding ``fd`` (one sync for many files)."""
-    global _syncfs_func
-    if _syncfs_func is None:
-        try:
-            import ctypes
-
-            libc = ctypes.CDLL(None, use_errno=True)
-            func = libc.syncfs
-            func.argtypes = [ctypes.c_int]
-            func.restype = ctypes.c_int
-
-            def call(fd: int) -> None:
-                if func(fd) != 0:
-                    err = ctypes.get_errno()
-                    raise OSError(err, os.strerror(err))
-
-            _syncfs_func = call
-        except (OSError, AttributeError):
-            _syncfs_func = lambda fd: os.sync()  # noqa: E731
-    _syncfs_func(fd)

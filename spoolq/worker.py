@@ -23,7 +23,6 @@ end the process and leave its registration and jobs behind).
 from __future__ import annotations
 
 import collections
-import ctypes
 import logging
 import os
 import queue
@@ -32,7 +31,7 @@ import threading
 import time
 from typing import Any, Callable, TextIO
 
-from . import config, procs, transitions
+from . import config, linux, procs, transitions
 from .errors import ForcedStop  # noqa: F401 - importable from here too
 from .output import LOGGER, LinePrinter, one_line
 from .protocol import Entry
@@ -367,7 +366,7 @@ class Worker:
                 if handle.inline and thread_id != main:
                     # An in-process handler in a slot thread: raise into it.
                     # (In the main thread the signal handler raises itself.)
-                    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(ForcedStop))
+                    linux.raise_in_thread(thread_id, ForcedStop)
 
     def _on_signal(self, signum, frame) -> None:
         if signum == signal.SIGHUP:
