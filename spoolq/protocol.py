@@ -20,7 +20,6 @@ import fcntl
 import gc
 import itertools
 import os
-import re
 import stat
 import threading
 import time
@@ -29,6 +28,18 @@ from typing import Iterator, NamedTuple
 
 from . import linux, procs
 from .errors import Busy, Exists, Gone, NoSuchGroup, NotASpool, NotRegular, SpoolError  # noqa: F401 - importable from here too
+from .ids import (  # noqa: F401 - importable from here too
+    REASON_PREFIX,
+    STAGED_PREFIX,
+    duplicate_name,
+    file_name,
+    id_of,
+    id_problem,
+    listed_names,
+    new_id,
+    staged_intact,
+    staged_job_name,
+)
 
 STATES = ("new", "cur", "failed", "dead", "done")
 WAITING = ("new", "failed")
@@ -45,17 +56,7 @@ SLOW_READ_NS = 40_000
 
 TMP_MAX_AGE = 36 * 3600  # Maildir's rule: a tmp/ file this old is abandoned.
 
-#: A record written ahead of its swap into cur/ (``Held.stage``):
-#: ``.staged.<job file name>.<crc32 of its content, 8 hex digits>``.
-STAGED_PREFIX = ".staged."
 
-#: Why a file went to dead/, kept from that moment on whatever is later
-#: written into it: ``dead/.reason.<its name>``, holding the identity of the
-#: file it is for (``<inode> <device> <birth time in ns>``), a newline, and
-#: the reason.
-REASON_PREFIX = ".reason."
-
-_ID_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}\Z")
 
 
 # --------------------------------------------------------------------------
@@ -117,35 +118,6 @@ _name_seq = itertools.count(1)  # next() is atomic under the GIL: no lock
 os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
 
 
-# --------------------------------------------------------------------------
-# ids and names
-
-
-def id_problem(job_id: object) -> str | None:
-    """Why ``job_id`` is not a valid id, or None if it is."""
-    if not isinstance(job_id, str):
-        return "id must be a string"
-    # The gravest reason first: '../x' is refused for its path, not its dot.
-    if "/" in job_id:
-        return f"id {job_id!r} contains '/'"
-    if ".." in job_id:
-        return f"id {job_id!r} contains '..'"
-    if not _ID_RE.match(job_id):
-        if job_id.startswith("."):
-            return f"id {job_id!r} starts with a dot"
-        return f"id {job_id!r} is not 1-128 characters of A-Z a-z 0-9 . _ -"
-    return None
-
-
-def listed_names(job_id: object) -> tuple[str, ...]:
-    """The names a file that listings show as ``job_id`` may have, when that
-    is no valid id (no '/', no NUL, no dot-file, no longer than a name can
-    be): such a file is looked up by that name, only in the state folders."""
-    if not isinstance(job_id, str) or not job_id or "/" in job_id or "\x00" in job_id or job_id.startswith("."):
-        return ()
-    return tuple(n for n in (file_name(job_id), job_id) if len(os.fsencode(n)) <= 255)
-
-
 def _names(dir_fd: int, name: str, st: os.stat_result) -> bool:
     """Whether ``name`` in the folder still names the file ``st`` is of
     (not gone, not replaced by another file since it was opened)."""
@@ -154,43 +126,6 @@ def _names(dir_fd: int, name: str, st: os.stat_result) -> bool:
     except FileNotFoundError:
         return False
     return (now.st_ino, now.st_dev) == (st.st_ino, st.st_dev)
-
-
-def id_of(name: str) -> str:
-    """The job id that a file name stands for: the name without ``.json``."""
-    return name[:-5] if name.endswith(".json") and len(name) > 5 else name
-
-
-def file_name(job_id: str) -> str:
-    return job_id + ".json"
-
-
-def duplicate_name(name: str) -> str:
-    """A fresh name for a second file claiming an id that is taken: the id
-    with a random ``.dup-XXXXXXXX`` suffix (still a valid id)."""
-    base = id_of(name)[:110]
-    ext = ".json" if name.endswith(".json") else ""
-    return f"{base}.dup-{os.urandom(4).hex()}{ext}"
-
-
-_last_us = 0
-_id_lock = threading.Lock()
-
-
-def new_id() -> str:
-    """A fresh id: microseconds since the epoch in hex, then 64 random bits.
-
-    Ids sort in creation order (strictly within a process, to the microsecond
-    across processes) and are unique across processes and hosts by the random
-    part, with no coordination.
-    """
-    global _last_us
-    with _id_lock:
-        us = time.time_ns() // 1000
-        if us <= _last_us:
-            us = _last_us + 1
-        _last_us = us
-    return f"{us:014x}.{os.urandom(8).hex()}"
 
 
 # --------------------------------------------------------------------------
@@ -1300,20 +1235,6 @@ def _identity(dir_fd: int, name: str, st: os.stat_result) -> str:
     same while it is written to: its inode, and the time it was created
     (an inode number is often reused at once once its file is removed)."""
     return f"{st.st_ino} {st.st_dev} {linux.birth_ns(dir_fd, name)}"
-
-
-def staged_job_name(name: str) -> str | None:
-    """The job file a staged record's name belongs to (None if malformed)."""
-    base, dot, crc = name[len(STAGED_PREFIX):].rpartition(".")
-    if not name.startswith(STAGED_PREFIX) or not dot or len(crc) != 8 or not base:
-        return None
-    return base
-
-
-def staged_intact(name: str, data: bytes) -> bool:
-    """Whether ``data`` is whole: its CRC is the one its staged name carries
-    (a power cut can leave the name on disk without the data)."""
-    return name.endswith(f".{zlib.crc32(data):08x}")
 
 
 def refuse_non_directory(path: str) -> None:

@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from .errors import Incomplete, InvalidJob  # noqa: F401 - importable from here too
-from .protocol import id_problem
+from .ids import id_problem
 
 MAX_EPOCH = 7258118400  # 2200-01-01T00:00:00Z: far later, mtimes in nanoseconds overflow 64 bits
 MAX_TIMEOUT = 10 * 365 * 86400  # ten years: beyond it select() and timers overflow
