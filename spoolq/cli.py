@@ -377,7 +377,7 @@ def _read_jsonl(source: str, options: dict[str, Any]):
 def work(ctx, jobs, max_jobs, max_time, app, watch, poll, quiet, verbose):
     """Recover, then run due jobs until none is due (or forever with --watch)."""
     from .spool import load_app
-    from .worker import Log, log_what_waits
+    from .output import Log, log_what_waits
 
     spool = _spool(ctx)
     handlers = {}

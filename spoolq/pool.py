@@ -31,7 +31,8 @@ from typing import Any, Callable
 
 from .procs import DIRECT_SIGNALS, HANDLED_SIGNALS
 from .runner import die_with_parent
-from .worker import RELAYED_SIGNALS, STOPPING, STOPPING_NOW, Log, Worker
+from .output import Log
+from .worker import RELAYED_SIGNALS, STOPPING, STOPPING_NOW, Worker
 
 PASSED_ON = DIRECT_SIGNALS  # a worker process handles these and RELAYED_SIGNALS: HANDLED_SIGNALS
 # Blocked in the parent for the whole run and taken with sigtimedwait: a

@@ -29,14 +29,16 @@ import queue
 import signal
 import threading
 import time
-from typing import Any, Callable, TextIO
+from typing import Any, Callable
 
 from . import config, linux, procs, transitions
-from .errors import ForcedStop  # noqa: F401 - importable from here too
-from .output import LOGGER, LinePrinter, one_line
+from .errors import ForcedStop
+from .output import Log, as_log, log_what_waits, quoted  # noqa: F401 - Log, log_what_waits: importable from here too
 from .protocol import Entry
 from .registry import Registration
 from .runner import Limits, Outcome, RunHandle, call_handler, close_all, fork_handler, inheritable_fds, make_outputs, run_process
+from .waker import Waker
+from .watcher import make_waker
 
 # Due entries kept per pass: memory stays bounded (~50 MB) however many
 # files wait; a backlog larger than this takes a pass per SCAN_LIMIT jobs.
@@ -69,123 +71,6 @@ PROBE_CLAIMS = 64  # ... once an eighth of this many claims in a row waited for 
 RELAYED_SIGNALS = procs.RELAYED_SIGNALS  # stop, stop now: from the parent of a worker pool
 STOPPING = "no new jobs; running jobs finish (a second SIGTERM or SIGINT kills them)"
 STOPPING_NOW = "running jobs are killed and go back to failed/"
-
-
-class Log:
-    """A worker's log: one grep-friendly line per job outcome or event.
-
-    The lines are records of the ``spoolq`` logger (or of ``logger``), each
-    with a level: ERROR for a job gone dead and for errors, WARNING for a
-    failed run and what else wants a look, INFO for the rest, DEBUG for the
-    verbose lines. ``spoolq work`` prints them (output.log_to_stderr); a
-    program that configures logging gets them like any library's. Given a
-    ``stream``, the lines are printed on it instead, as ``spoolq work``
-    prints them. ``level`` is how much is logged at all: 0 problems only
-    (``spoolq work -q``), 1 outcomes, 2 verbose."""
-
-    def __init__(self, stream: TextIO | None = None, level: int = 1, logger: Any = None):
-        self.level = level
-        self.logger = logger if logger is not None else logging.getLogger(LOGGER)
-        self._printer = LinePrinter(stream) if stream is not None else None
-
-    def line(self, text: str, level: int = 1, severity: int | None = None) -> None:
-        """Log ``text`` if ``level`` is within this log's; ``severity`` (a
-        logging level) defaults to ERROR, INFO and DEBUG for levels 0, 1, 2."""
-        if level > self.level:
-            return
-        if severity is None:
-            severity = _SEVERITY[level]
-        text = one_line(text)  # a file name or an error quoted in it may hold any character
-        if self._printer is not None:
-            self._printer.write(text, severity)
-        elif self.logger.isEnabledFor(severity):
-            self.logger.log(severity, text, stacklevel=2)
-
-
-_SEVERITY = {0: logging.ERROR, 1: logging.INFO, 2: logging.DEBUG}
-
-
-def as_log(log: Any) -> Any:
-    """A worker's Log for what Spool.work was given: a Log (or an object
-    with its ``line`` method) as it is, a logging.Logger (or adapter) to
-    take every line, or None for the ``spoolq`` logger (whose records
-    logging shows as configured)."""
-    if isinstance(log, Log) or callable(getattr(log, "line", None)):  # (a Log-like object, as before)
-        return log
-    if log is None:
-        return Log(level=2)
-    if isinstance(log, (logging.Logger, logging.LoggerAdapter)):
-        return Log(level=2, logger=log)
-    raise TypeError(f"log must be a logging.Logger, not {type(log).__name__}")
-
-
-def _quote(text: str) -> str:
-    text = text.replace("\n", " ").replace('"', "'")
-    return f'"{text[:200]}"'
-
-
-def log_what_waits(spool_dir: Any, log: Log) -> None:
-    """Log, as ``spoolq work`` ends, how many jobs wait in failed/ and when
-    the first of them is due again, and how many are dead: a worker run from
-    cron exits 0 whatever its jobs did, so this line is what its mail says.
-    Nothing when there are neither. A failed job's due time is its file's
-    modification time, so this is one listing of each folder."""
-    try:
-        failed, next_due = 0, None
-        for _name, st in spool_dir.entries("failed"):
-            failed += 1
-            if next_due is None or st.st_mtime < next_due:
-                next_due = st.st_mtime
-        dead = spool_dir.count("dead")
-    except Exception:  # (a folder made unreadable meanwhile) a note must not fail a clean exit
-        return
-    parts = []
-    if failed:
-        when = "due now" if next_due <= time.time() else time.strftime("at %Y-%m-%dT%H:%M:%SZ", time.gmtime(next_due))
-        parts.append(f"{failed} job{'s wait' if failed != 1 else ' waits'} in failed/ (next retry {when})")
-    if dead:
-        parts.append(f"{dead}{'' if failed else ' job' if dead == 1 else ' jobs'} dead (spoolq list --state dead)")
-    if parts:
-        # Not under -q (cron's mail, every minute): a dead job was told once,
-        # at ERROR, when it died, and a failed one is retried by design.
-        log.line("stopped: " + ", ".join(parts), 1, logging.WARNING)
-
-
-class Waker:
-    """Wakes a sleeping dispatcher. The base class only reacts to wake()
-    calls (finished jobs, signals); watchers add filesystem events.
-
-    Like threading.Event, but on a re-entrant lock: wake() is called from
-    signal handlers, which may interrupt the main thread inside this lock."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition(threading.RLock())
-        self._flag = False
-        self.rescan_interval: float | None = None
-
-    def start(self) -> None:
-        pass
-
-    def stop(self) -> None:
-        pass
-
-    def wake(self) -> None:
-        with self._cond:
-            self._flag = True
-            self._cond.notify_all()
-
-    def clear(self) -> None:
-        with self._cond:
-            self._flag = False
-
-    def wait(self, timeout: float | None) -> bool:
-        with self._cond:
-            if not self._flag:
-                self._cond.wait(timeout)
-            return self._flag
-
-    def check(self) -> None:
-        """Called on each rescan: restart a failed watch (watchers override)."""
 
 
 class ReadAhead:
@@ -455,8 +340,6 @@ class Worker:
                 self._recover()
             if self.waker is None:
                 if self.watch:
-                    from .watcher import make_waker
-
                     self.waker = make_waker(sp.dir, poll=self.poll, log=self.log)
                 else:
                     self.waker = Waker()
@@ -707,7 +590,7 @@ class Worker:
                       f"in {wait:.1f}s (a file written in tmp/ and renamed into new/ never waits)", 1)
 
     def _on_quarantine(self, name: str, reason: str) -> None:
-        self.log.line(f"worker={self._wid} job={name} outcome=dead state=dead error={_quote(reason)}", 0)
+        self.log.line(f"worker={self._wid} job={name} outcome=dead state=dead error={quoted(reason)}", 0)
 
     # -- one job -----------------------------------------------------------
 
@@ -874,7 +757,7 @@ class Worker:
             self._stopping = True
             where = claimed.held.folder  # cur/, unless the move was made and only its sync failed
             self.log.line(
-                f"worker={self._wid} job={job_id} error={_quote(f'cannot record the outcome: {type(e).__name__}: {e}')} "
+                f"worker={self._wid} job={job_id} error={quoted(f'cannot record the outcome: {type(e).__name__}: {e}')} "
                 + ("it stays in cur/ for recovery" if where == "cur" else f"it is in {where}/, not synced")
                 + "; the worker stops claiming",
                 0,
@@ -912,7 +795,7 @@ class Worker:
             self._forget_run(claimed.job_id)
             self.failed_to_record = True
             self._stopping = True
-            self.log.line(f"worker={self._wid} job={claimed.job_id} error={_quote(f'{type(e).__name__}: {e}')} "
+            self.log.line(f"worker={self._wid} job={claimed.job_id} error={quoted(f'{type(e).__name__}: {e}')} "
                           f"back in {claimed.held.folder}/ but not synced; the worker stops claiming", 0)
             return True
         self._forget_run(claimed.job_id)
@@ -958,7 +841,7 @@ class Worker:
             except OSError as e:
                 self.failed_to_record = True
                 self._stopping = True
-                self.log.line(f"worker={self._wid} error={_quote(f'cannot sync finished jobs: {e}')} the worker stops claiming", 0)
+                self.log.line(f"worker={self._wid} error={quoted(f'cannot sync finished jobs: {e}')} the worker stops claiming", 0)
                 return
         for item in pending:
             self._log_outcome(*item)
@@ -1041,7 +924,7 @@ class Worker:
         claimed.held.release()
         self.failed_to_record = True
         self._stopping = True
-        self.log.line(f"worker={self._wid} job={claimed.job_id} error={_quote(why)} "
+        self.log.line(f"worker={self._wid} job={claimed.job_id} error={quoted(why)} "
                       "it stays in cur/ for recovery; the worker stops claiming", 0)
 
     def _committer(self, stop: threading.Event) -> None:
@@ -1103,5 +986,5 @@ class Worker:
         if due is not None:
             parts.append(f"retry_in={max(0.0, due - time.time()):.1f}s")
         if out.error:
-            parts.append(f"error={_quote(out.error)}")
+            parts.append(f"error={quoted(out.error)}")
         self.log.line(" ".join(parts), 0 if dest == "dead" else 1, logging.WARNING if dest == "failed" else None)
