@@ -23,7 +23,7 @@ import os
 import stat
 import sqlite3
 import time
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from . import procs, record
 from .protocol import Busy, Gone, NotRegular, SpoolDir, duplicate_name, file_name, id_of
@@ -571,15 +571,17 @@ class Index:
 # folding folders into the index
 
 
-def fold(spool: SpoolDir, index: Index, folder: str, names: list[str], settings: dict, batch: int = 2000) -> tuple[int, int]:
+Check = Callable[[os.stat_result, Callable[[int], bytes], str], dict]  # transitions.check, bound to its context
+
+
+def fold(spool: SpoolDir, index: Index, folder: str, names: list[str], settings: dict, check: Check,
+         batch: int = 2000) -> tuple[int, int]:
     """Move the given files of ``folder`` into the index, ``batch`` at a time
     (fewer where the descriptor limit is low: see _held_at_once): lock each
     file, commit its row, then remove it (still locked). Files that are
-    busy, gone or unreadable are left where they are.
+    busy, gone or unreadable are left where they are; ``check(st, read,
+    name)`` gives the job a file holds, or raises InvalidJob.
     Returns (jobs folded, files left)."""
-    from .transitions import Context, check
-
-    ctx = Context(spool, settings)
     batch = _held_at_once(batch)
     folded = left = 0
     pos = 0
@@ -601,7 +603,7 @@ def fold(spool: SpoolDir, index: Index, folder: str, names: list[str], settings:
                     raise
                 pos += 1
                 try:
-                    job = check(ctx, held.st, held.read, name)
+                    job = check(held.st, held.read, name)
                 except (record.InvalidJob, OSError) as e:
                     if folder != "dead":  # only a deliberate purge takes invalid files
                         held.release()
@@ -657,24 +659,24 @@ def _held_at_once(batch: int) -> int:
     return max(1, min(batch, procs.open_file_limit() // 4))
 
 
-def compact(spool: SpoolDir, index: Index, settings: dict, keep: float | None = None) -> dict[str, int]:
+def compact(spool: SpoolDir, index: Index, settings: dict, check: Check, keep: float | None = None) -> dict[str, int]:
     """Fold done/ into the index, drop history older than ``keep`` seconds,
     and remove tmp/ files older than 36 hours."""
     started = time.monotonic()
     names = sorted(spool.names("done"))
-    folded, left = fold(spool, index, "done", names, settings)
+    folded, left = fold(spool, index, "done", names, settings, check)
     dropped = index.drop_older(time.time() - keep) if keep is not None else 0
     tmp_removed = spool.remove_tmp()
     return {"folded": folded, "left": left, "dropped": dropped, "tmp_removed": tmp_removed,
             "seconds": round(time.monotonic() - started, 3)}
 
 
-def purge_dead(spool: SpoolDir, index: Index, settings: dict, older_than: float) -> dict[str, int]:
+def purge_dead(spool: SpoolDir, index: Index, settings: dict, check: Check, older_than: float) -> dict[str, int]:
     """Clear dead jobs whose file is older than ``older_than`` seconds into the
     index (a deliberate act: compaction never touches dead/)."""
     cutoff = time.time() - older_than
     names = sorted(n for n, st in spool.entries("dead") if st.st_mtime < cutoff)
-    folded, left = fold(spool, index, "dead", names, settings)
+    folded, left = fold(spool, index, "dead", names, settings, check)
     return {"purged": folded, "left": left}
 
 

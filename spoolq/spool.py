@@ -10,16 +10,13 @@ and the API cannot drift apart::
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from typing import Any, Callable, Iterator, Mapping
 
 from . import config, record
 from .errors import DuplicateId, Exists, InvalidJob, NotRegular, PartlyEnqueued, SpoolError  # noqa: F401 - importable from here too
-from .protocol import STATES, SpoolDir, file_name, id_of, id_problem, new_id, refuse_non_directory
-
-_UNSET = object()
+from .protocol import STATES, SpoolDir, file_name, id_of, id_problem, listed_names, new_id, refuse_non_directory
 
 
 class Spool:
@@ -35,8 +32,9 @@ class Spool:
         if os.fspath(path) == "":
             raise ValueError("the spool path is empty")
         self.path = os.path.abspath(os.fspath(path))
-        self._settings: dict[str, Any] | None = None
         self.dir = SpoolDir(self.path, fsync=True)
+        self._settings = config.Settings(self.path)
+        self._settings.on_load(self._settings_loaded)
         self._index = None
 
     def __repr__(self) -> str:
@@ -45,16 +43,19 @@ class Spool:
     # -- settings ----------------------------------------------------------
 
     @property
-    def settings(self) -> dict[str, Any]:
-        """The spool's settings (config.json over the defaults)."""
-        if self._settings is None:
+    def settings(self) -> config.Settings:
+        """The spool's settings (config.json over the defaults): one holder,
+        shared with the worker, whose reload reaches every reader."""
+        if not self._settings.loaded:
             try:
-                self._settings = config.load(self.path)
+                self._settings.reload()
             except config.ConfigError:
                 refuse_non_directory(self.path)  # the real trouble, said plainly
                 raise
-            self.dir.fsync = bool(self._settings["fsync"])
         return self._settings
+
+    def _settings_loaded(self, settings: config.Settings) -> None:
+        self.dir.fsync = bool(settings["fsync"])
 
     def config_get(self, key: str) -> Any:
         if key not in config.DEFAULTS:
@@ -74,7 +75,7 @@ class Spool:
         stored = config.read_stored(self.path)
         stored[key] = checked
         self.dir.replace_file(None, "config.json", config.dumps(stored), mode=0o664 if self.dir.shared else 0o600)
-        self._settings = None
+        self._settings.loaded = False  # read again when next needed
         return checked
 
     def config_list(self) -> dict[str, Any]:
@@ -82,7 +83,7 @@ class Spool:
 
     def context(self):
         """The transition context (settings, trust, index look-ups)."""
-        from .transitions import Context
+        from .transitions import Context  # imported here: start-up speed (transitions pulls in the runner and subprocess)
 
         return Context(self.dir, self.settings, index_has=self._index_has)
 
@@ -232,7 +233,7 @@ class Spool:
         if self._index is None:
             if not create and _empty_or_missing(os.path.join(self.path, "index.db")):
                 return None
-            from .index import Index
+            from .index import Index  # imported here: start-up speed (sqlite3; enqueue never needs it)
 
             self._index = Index(os.path.join(self.path, "index.db"), durable=bool(self.settings["fsync"]), shared=self.dir.shared)
         return self._index
@@ -245,18 +246,26 @@ class Spool:
         tmp/ files older than 36 hours. ``keep=0`` drops every finished
         job's row, the ones just folded included (the command asks for
         ``--yes`` before it does that)."""
-        from .index import compact
+        from .index import compact  # imported here: start-up speed (as the index)
 
         self._open(create=True)
-        return compact(self.dir, self.index(create=True), self.settings, keep)
+        return compact(self.dir, self.index(create=True), self.settings, self._check(), keep)
+
+    def _check(self):
+        """transitions.check bound to this spool's context: what the index
+        folds (a file that is no valid job stays, or is kept as invalid)."""
+        from .transitions import check  # imported here: start-up speed (as in context())
+
+        ctx = self.context()
+        return lambda st, read, name: check(ctx, st, read, name)
 
     def purge_dead(self, older_than: float) -> dict[str, int]:
         """Clear dead jobs older than ``older_than`` seconds into index.db."""
-        from .index import purge_dead
+        from .index import purge_dead  # imported here: start-up speed (as the index)
 
         self._open()
         try:
-            return purge_dead(self.dir, self.index(create=True), self.settings, older_than)
+            return purge_dead(self.dir, self.index(create=True), self.settings, self._check(), older_than)
         finally:
             self.dir.remove_stale_reasons()
 
@@ -264,7 +273,7 @@ class Spool:
         """Finished jobs, throughput, wait time (due to start) and run time
         (p50, p95, max) in total and per kind or program, from index.db plus
         the records still in done/ and dead/. ``since``: epoch seconds."""
-        from .index import Index, stats
+        from .index import Index, stats  # imported here: start-up speed (as in index())
 
         self._open()
         extra = []
@@ -295,7 +304,7 @@ class Spool:
         if job is None or (state == "dead" and job.get("error") is None):
             # Imported only here: the transitions bring in the runner, which
             # `spoolq show` of a good record does not need.
-            from .transitions import dead_reason
+            from .transitions import dead_reason  # imported here: start-up speed (as in context())
 
             reason = self.dir.noted_reason(name) if state == "dead" else None
             if reason is None:  # none kept (or not for this file): worked out from the file as it is
@@ -321,8 +330,6 @@ class Spool:
         (``new``, ``cur``, ``failed``, ``dead``, ``done``), compacted jobs
         included; None if there is no such job."""
         self._open()
-        from .protocol import listed_names
-
         named = bool(id_problem(job_id))  # a file listed under a name that is no valid id
         names = listed_names(job_id) if named else (file_name(job_id), job_id)
         if not names:
@@ -337,7 +344,7 @@ class Spool:
             except FileNotFoundError:
                 continue
             if state == "cur":
-                from .registry import live_workers
+                from .registry import live_workers  # imported here: start-up speed (only a job in cur/ needs it)
 
                 for w in live_workers(self.dir):
                     if job_id in (w.get("jobs") or {}):
@@ -351,8 +358,6 @@ class Spool:
     def status(self) -> dict[str, Any]:
         """Counts per state (``done`` includes compacted jobs), the jobs in
         cur/ whose worker died (``abandoned``), and live workers."""
-        from .registry import live_workers
-
         self._open()
         counts: dict[str, Any] = {state: self.dir.count(state) for state in ("new", "cur", "failed")}
         # A file compaction (or a purge) has committed but not yet removed
@@ -370,6 +375,8 @@ class Spool:
                         listed[state] = [i for i in listed[state] if i not in folded]
         counts.update(dead=len(listed["dead"]), done=len(listed["done"]) + compacted, done_files=len(listed["done"]),
                       compacted=compacted, dead_purged=purged)
+        from .registry import live_workers  # imported here: start-up speed (as in get())
+
         counts["abandoned"] = sum(self.dir.is_locked("cur", name) is False for name in self.dir.names("cur"))
         counts["workers"] = [
             {k: w.get(k) for k in ("worker", "host", "pid", "started_at", "jobs")} for w in live_workers(self.dir)
@@ -406,7 +413,7 @@ class Spool:
     def _folded_later(self, job_id: str) -> dict[str, Any] | None:
         """A job's compacted record, read past the snapshot a listing holds:
         for a file compaction removed after the snapshot was taken."""
-        from .index import Index
+        from .index import Index  # imported here: start-up speed (as in index())
 
         later = Index(self.index().path, durable=False, shared=self.dir.shared)
         try:
@@ -451,7 +458,7 @@ class Spool:
         or NotPossible with the reason instead of returning False.
         ``on_note(message)`` hears of a job cancelled whose record could not
         be updated after its move (a full disk): it reads as cancelled."""
-        from . import transitions
+        from . import transitions  # imported here: start-up speed (as in context())
 
         self._open()
         try:
@@ -465,7 +472,7 @@ class Spool:
     def retry(self, job_id: str, check: bool = False, on_note: Callable[[str], None] | None = None) -> bool:
         """Move a dead job back to new/ with a fresh round of attempts
         (``check`` and ``on_note`` as for ``cancel``)."""
-        from . import transitions
+        from . import transitions  # imported here: start-up speed (as in context())
 
         self._open()
         try:
@@ -480,7 +487,7 @@ class Spool:
                   on_note: Callable[[str], None] | None = None) -> list[str]:
         """Move every dead job back to new/; returns their ids. One that
         cannot go stays in dead/ unchanged; ``on_problem(message)`` says why."""
-        from . import transitions
+        from . import transitions  # imported here: start-up speed (as in context())
 
         self._open()
         return transitions.retry_all(self.context(), on_problem, on_note)
@@ -488,7 +495,7 @@ class Spool:
     def sweep(self):
         """The recovery step alone: return abandoned jobs from cur/ (killing
         what their runs left) and remove stale tmp/ files."""
-        from . import transitions
+        from . import transitions  # imported here: start-up speed (as in context())
 
         self._open(create=True)
         try:
@@ -512,24 +519,60 @@ class Spool:
         poll: float | None = None,
         log: Any = None,
         signals: bool = True,
+        processes: bool = False,
     ) -> int:
-        """Run jobs in this process and return how many ran.
+        """Run jobs and return how many ran.
 
         Without ``watch`` it recovers abandoned jobs, runs every due job and
         returns when none is due. ``handlers`` maps a job's ``kind`` to a
         function called with its payload; what a handler prints is its
-        job's output. ``jobs`` runs that many at once. ``log``: a
-        logging.Logger for the worker's lines (by default the ``spoolq``
-        logger's records, shown as logging is configured).
+        job's output. ``jobs`` runs that many at once: threads of this
+        process, or with ``processes`` that many worker processes of one job
+        each, as ``spoolq work -j N`` runs (they always handle the stop
+        signals; see pool.py). ``log``: a logging.Logger for the worker's
+        lines (by default the ``spoolq`` logger's records, shown as logging
+        is configured).
+
+        The number returned is a WorkResult, whose ``clean`` is False when
+        an outcome could not be recorded or a worker process failed.
         """
-        from .worker import Worker
+        from .output import as_log  # imported here: start-up speed (as the worker)
 
         self._open(create=True)
-        worker = Worker(
-            self, handlers=dict(handlers or {}), jobs=jobs, max_jobs=max_jobs, max_time=max_time,
-            watch=watch, poll=poll, log=log, signals=signals,
-        )
-        return worker.run()
+        options = dict(handlers=dict(handlers or {}), max_time=max_time, watch=watch, poll=poll, log=as_log(log))
+        if processes and max_jobs is not None:
+            jobs = max(1, min(jobs, max_jobs))  # no worker process without a job to claim; one still recovers
+        if processes and jobs > 1:
+            from .pool import run_workers  # imported here: start-up speed (as the worker)
+
+            self.dir.close()  # each worker process opens its own: with these too, it ran short under a low limit
+            path = self.path
+            ran, clean = run_workers(lambda **kw: Spool(path)._worker(**options, **kw), jobs, max_jobs, options["log"])
+            return WorkResult(ran, clean)
+        worker = self._worker(jobs=jobs, max_jobs=max_jobs, signals=signals, **options)
+        ran = worker.run()
+        return WorkResult(ran, not worker.failed_to_record)
+
+    def _worker(self, **options: Any):
+        """A Worker on this spool: its context (the shared settings) and
+        this spool's compaction, nothing more of the facade."""
+        from .worker import Worker  # imported here: start-up speed (the worker pulls in the runner and the watcher)
+
+        self._open(create=True)
+        return Worker(self.context(), compact=self.compact, **options)
+
+
+class WorkResult(int):
+    """How many jobs ``Spool.work`` ran, and whether it ended ``clean``:
+    False when an outcome could not be recorded, or a worker process
+    failed (``spoolq work`` then exits 1)."""
+
+    clean: bool
+
+    def __new__(cls, ran: int, clean: bool) -> "WorkResult":
+        result = super().__new__(cls, ran)
+        result.clean = clean
+        return result
 
 
 def load_app(spec: str) -> dict[str, Callable[[Any], Any]]:
@@ -578,10 +621,6 @@ def _empty_or_missing(path: str) -> bool:
         return os.stat(path).st_size == 0
     except FileNotFoundError:
         return True
-
-
-def to_json(job: dict[str, Any]) -> str:
-    return json.dumps(job, ensure_ascii=False, sort_keys=False)
 
 
 def _reason(error: Exception) -> str:

@@ -39,19 +39,22 @@ class Context:
     """What every transition needs to know about the spool."""
 
     spool: SpoolDir
-    settings: dict[str, Any]
+    settings: dict[str, Any]  # a config.Settings, whose reload() the context sees
     index_has: Callable[[str], bool] = lambda job_id: False
     _trusted: frozenset[int] | None = None
+    _trusted_generation: int = -1
 
     @property
     def trusted_uids(self) -> frozenset[int]:
-        if self._trusted is None:
+        generation = getattr(self.settings, "generation", 0)
+        if self._trusted is None or self._trusted_generation != generation:
             uids = {os.geteuid(), 0}
             for user in self.settings.get("trusted_users", []):
                 uid = _uid_of(user)
                 if uid is not None:
                     uids.add(uid)
             self._trusted = frozenset(uids)
+            self._trusted_generation = generation
         return self._trusted
 
 

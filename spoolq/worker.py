@@ -115,7 +115,7 @@ class Worker:
 
     def __init__(
         self,
-        spool: Any,
+        ctx: transitions.Context,
         handlers: dict[str, Callable[[Any], Any]] | None = None,
         jobs: int = 1,
         max_jobs: int | None = None,
@@ -129,11 +129,17 @@ class Worker:
         relayed: bool = False,
         pool_parent: int | None = None,
         processes: int = 1,
+        compact: Callable[[], dict[str, Any]] | None = None,
     ):
+        """``ctx``: the spool directory and its settings (a config.Settings,
+        reloaded in place on SIGHUP); ``compact``: folds done/ into the
+        index with those settings (automatic compaction; None: never)."""
         if jobs < 1:
             raise ValueError("jobs must be at least 1")
-        self.spool = spool
-        self.ctx: transitions.Context = spool.context()
+        self.ctx = ctx
+        self.dir = ctx.spool
+        self.settings = ctx.settings
+        self.compact = compact
         self.handlers = dict(handlers or {})
         self.jobs = jobs
         self.max_jobs = max_jobs
@@ -228,7 +234,7 @@ class Worker:
         self._next_compact_ran = 0
         self._next_compact_time = 0.0
         self._base_env = dict(os.environ)
-        self._base_env["SPOOLQ_SPOOL"] = spool.path
+        self._base_env["SPOOLQ_SPOOL"] = self.dir.root
 
     # -- control -----------------------------------------------------------
 
@@ -297,13 +303,10 @@ class Worker:
     def reload(self) -> None:
         """Reread config.json (SIGHUP)."""
         try:
-            settings = config.load(self.spool.path)
+            self.settings.reload()  # the holder every reader shares (the spool's fsync flag follows it)
         except (config.ConfigError, OSError) as e:  # e.g. config.json made unreadable
             self.log.line(f"worker={self._wid} reload failed: {e}", 0)
             return
-        self.ctx.settings = settings
-        self.ctx._trusted = None
-        self.spool.dir.fsync = bool(settings["fsync"])
         if self.waker:
             self.waker.rescan_interval = self._rescan_interval()
             self.waker.wake()
@@ -322,9 +325,9 @@ class Worker:
 
     def run(self) -> int:
         """Recover, then run jobs; returns how many ran."""
-        sp = self.spool
-        sp.dir.open(create=True)
-        self.registration = Registration(sp.dir)
+        sp_dir = self.dir
+        sp_dir.open(create=True)
+        self.registration = Registration(sp_dir)
         self.registration.open()
         self.registration.start_flusher()
         old_handlers = {}
@@ -340,7 +343,7 @@ class Worker:
                 self._recover()
             if self.waker is None:
                 if self.watch:
-                    self.waker = make_waker(sp.dir, poll=self.poll, log=self.log)
+                    self.waker = make_waker(sp_dir, poll=self.poll, log=self.log)
                 else:
                     self.waker = Waker()
             self.waker.rescan_interval = self._rescan_interval()
@@ -378,7 +381,7 @@ class Worker:
                 self.waker.stop()
             for sig, old in old_handlers.items():
                 signal.signal(sig, old)
-            sp.dir.drop_spares()
+            sp_dir.drop_spares()
             close_all(self._spent_fds)
             if self._spare_outputs is not None:
                 close_all(list(self._spare_outputs))
@@ -389,8 +392,8 @@ class Worker:
     def _recover(self) -> None:
         try:
             report = transitions.recover(self.ctx)
-            removed = self.spool.dir.remove_tmp()
-            self.spool.dir.remove_stale_spares()
+            removed = self.dir.remove_tmp()
+            self.dir.remove_stale_spares()
         except Exception as e:  # recovery failing must not keep jobs from running
             self.log.line(f"worker={self._wid} recovery failed: {type(e).__name__}: {e}", 0)
             return
@@ -417,7 +420,7 @@ class Worker:
         return True
 
     def _dispatch(self) -> None:
-        sp = self.spool.dir
+        sp = self.dir
         waker = self.waker
         entries: list[Entry] = []
         read_ahead = ReadAhead(sp, entries)
@@ -515,8 +518,8 @@ class Worker:
         """Fold done/ into the index when it holds more than compact_after
         files. done/ is counted at most every COMPACT_CHECK_JOBS finished jobs
         or COMPACT_CHECK_SECONDS, so the check costs nothing per job."""
-        limit = int(self.ctx.settings["compact_after"])
-        if limit <= 0:
+        limit = int(self.settings["compact_after"])
+        if limit <= 0 or self.compact is None:
             return
         now = time.monotonic()
         if self.ran < self._next_compact_ran and now < self._next_compact_time:
@@ -524,10 +527,10 @@ class Worker:
         self._next_compact_ran = self.ran + max(1, min(COMPACT_CHECK_JOBS, limit // 10))
         self._next_compact_time = now + COMPACT_CHECK_SECONDS
         try:
-            if self.spool.dir.count("done") <= limit:
+            if self.dir.count("done") <= limit:
                 return
             self._commit()
-            result = self.spool.compact()
+            result = self.compact()
         except Exception as e:  # the index is history: never stop the worker for it
             self.log.line(f"worker={self._wid} compaction failed: {e}", 0)
             return
@@ -699,7 +702,7 @@ class Worker:
         if now - self._spin_counted >= SPIN_RECOUNT_SECONDS:
             self._spin_counted = now
             try:
-                workers = max(self.processes, self.spool.dir.count("workers"))
+                workers = max(self.processes, self.dir.count("workers"))
                 load = float(self._test_load) if self._test_load else os.getloadavg()[0]
             except OSError:
                 workers, load = self._cpus, float("inf")  # unknown: do not poll
@@ -739,7 +742,7 @@ class Worker:
         after the group commit has synced the move)."""
         job_id, attempt = claimed.job_id, claimed.attempt  # (finish counts the attempt into the job)
         reg = self.registration
-        defer = self.spool.dir.fsync
+        defer = self.dir.fsync
         if out.not_started and self._put_back(claimed):
             return
         try:
@@ -809,7 +812,7 @@ class Worker:
         self._forget_run(claimed.job_id)
         self.ran += 1
         job = claimed.job
-        if self.spool.dir.fsync:
+        if self.dir.fsync:
             with self._uncommitted_lock:  # not the commit lock: a slot never waits for an fsync here
                 self._uncommitted.append((job, out, attempt, dest, due))
         else:
@@ -827,7 +830,7 @@ class Worker:
         then log the finishes they cover: an outcome is durable before anyone
         is told about it. Called by the dispatcher and by the committer thread."""
         with self._commit_lock:
-            if not self._uncommitted and not self._staged and not self._synced and not self.spool.dir.has_deferred:
+            if not self._uncommitted and not self._staged and not self._synced and not self.dir.has_deferred:
                 return
             if self._staged and time.monotonic() - self._staged_since >= staged_age:
                 self._sync_staged()
@@ -837,7 +840,7 @@ class Worker:
             with self._uncommitted_lock:
                 pending, self._uncommitted = self._uncommitted, []
             try:
-                self.spool.dir.sync_deferred()
+                self.dir.sync_deferred()
             except OSError as e:
                 self.failed_to_record = True
                 self._stopping = True
@@ -882,7 +885,7 @@ class Worker:
         if not staged:
             return
         try:
-            self.spool.dir.sync_data([claimed.held.staged[1] for claimed, *_ in staged])
+            self.dir.sync_data([claimed.held.staged[1] for claimed, *_ in staged])
         except BaseException as e:
             for item in staged:
                 self._cannot_record(item, f"cannot sync finished jobs: {type(e).__name__}: {e}")
@@ -946,7 +949,7 @@ class Worker:
                         self._sync_staged()
                 finally:
                     wanted.clear()
-            sp = self.spool.dir
+            sp = self.dir
             # Outcomes may wait with nothing deferred: a slot's move that
             # another commit synced just before the slot listed its outcome.
             now = time.monotonic()
@@ -966,7 +969,7 @@ class Worker:
             env.update(extra)
         env["SPOOLQ_JOB_ID"] = job["id"]
         env["SPOOLQ_ATTEMPT"] = str(attempt)
-        env["SPOOLQ_SPOOL"] = self.spool.path
+        env["SPOOLQ_SPOOL"] = self.dir.root
         env["SPOOLQ_WORKER"] = self.registration.worker_id
         return env
 
