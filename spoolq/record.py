@@ -22,7 +22,6 @@ from .ids import id_problem
 MAX_EPOCH = 7258118400  # 2200-01-01T00:00:00Z: far later, mtimes in nanoseconds overflow 64 bits
 MAX_TIMEOUT = 10 * 365 * 86400  # ten years: beyond it select() and timers overflow
 
-PRODUCER_FIELDS = ("command", "argv", "kind", "payload", "id", "max_attempts", "timeout", "run_at", "env", "cwd")
 TARGETS = ("command", "argv", "kind")
 
 
