@@ -8,8 +8,6 @@ NotASpool``) and the public ones from ``spoolq``.
 
 from __future__ import annotations
 
-from typing import Any
-
 
 class SpoolError(Exception):
     """A problem with the spool itself (layout, permissions, filesystem)."""
@@ -104,7 +102,7 @@ class JobFailed(AssertionError):
     """A job run by ``testing.run_jobs`` failed; the message carries its
     error and the tail of its traceback or stderr."""
 
-    def __init__(self, job: dict[str, Any]):
+    def __init__(self, job: dict):
         self.job = job
         detail = job.get("stderr") or ""
         super().__init__(f"job {job.get('id')} ({job.get('kind') or job.get('command') or job.get('argv')}) failed: "

@@ -18,6 +18,7 @@ from typing import Any, NoReturn
 
 from .errors import ConfigError, DuplicateId, InvalidJob, NoSuchGroup, NotASpool, SpoolError
 from .ids import id_problem
+from .protocol import refuse_non_directory
 from .record import rfc3339
 
 LOGGER = "spoolq"  # the logger whose records the worker's log lines are
@@ -116,8 +117,6 @@ def _blocked_by(path: str) -> str | None:
 
 def require_spool(spool) -> None:
     """Exit 1 with a hint when the path holds no spool."""
-    from .protocol import refuse_non_directory
-
     if spool.dir.exists():
         return
     refuse_non_directory(spool.path)

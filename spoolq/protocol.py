@@ -1,5 +1,5 @@
-"""The on-disk protocol: the only module that knows paths, names, locks, fsync
-and renames.
+"""The on-disk protocol: the only module that knows paths, locks, fsync and
+renames (the names themselves are ``ids``'s).
 
 A spool is a directory; a job is a file; a job's state is the folder its file
 is in. Every change of state is one ``rename(2)`` that never replaces a file,
