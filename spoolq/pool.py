@@ -37,9 +37,9 @@ from .worker import RELAYED_SIGNALS, STOPPING, STOPPING_NOW, Worker
 
 PASSED_ON = DIRECT_SIGNALS  # a worker process handles these and RELAYED_SIGNALS: HANDLED_SIGNALS
 # Blocked in the parent for the whole run and taken with sigtimedwait: a
-# handler runs only once Python runs again, and a signal that came just
-# before the parent went to sleep in waitid() was handled by nobody until
-# a worker ended (a stop lost about once in 500 starts).
+# handler runs only once Python runs again, so a signal that came just
+# before the parent went to sleep in waitid() would be handled by nobody
+# until a worker ended.
 WAITED = PASSED_ON + RELAYED_SIGNALS + (signal.SIGCHLD,)
 
 

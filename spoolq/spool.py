@@ -302,9 +302,9 @@ class Spool:
         except (InvalidJob, NotRegular, OSError):
             job = None
         if job is None or (state == "dead" and job.get("error") is None):
-            # Imported only here: the transitions bring in the runner, which
-            # `spoolq show` of a good record does not need.
-            from .transitions import dead_reason  # imported here: start-up speed (as in context())
+            # Imported here: start-up speed (the transitions bring in the
+            # runner, which `spoolq show` of a good record does not need).
+            from .transitions import dead_reason
 
             reason = self.dir.noted_reason(name) if state == "dead" else None
             if reason is None:  # none kept (or not for this file): worked out from the file as it is
@@ -545,7 +545,7 @@ class Spool:
         if processes and jobs > 1:
             from .pool import run_workers  # imported here: start-up speed (as the worker)
 
-            self.dir.close()  # each worker process opens its own: with these too, it ran short under a low limit
+            self.dir.close()  # each worker process opens its own; the parent's would only use up the open-file limit
             path = self.path
             ran, clean = run_workers(lambda **kw: Spool(path)._worker(**options, **kw), jobs, max_jobs, options["log"])
             return WorkResult(ran, clean)

@@ -177,7 +177,7 @@ def claim(ctx: Context, entry: Entry, now_ns: int, on_quarantine: Callable[[str,
     ``on_later(name, when_ns)`` when a file that may still be being written
     is left until ``when_ns`` (see WRITER_GRACE)."""
     ready = prepare(ctx, entry, now_ns, on_quarantine, on_busy, on_later)
-    return take(ctx, ready, now_ns, on_quarantine) if ready is not None else None
+    return take(ready, now_ns, on_quarantine) if ready is not None else None
 
 
 def prepare(ctx: Context, entry: Entry, now_ns: int, on_quarantine: Callable[[str, str], None] | None = None,
@@ -273,7 +273,7 @@ def prepare(ctx: Context, entry: Entry, now_ns: int, on_quarantine: Callable[[st
         raise
 
 
-def take(ctx: Context, ready: Claimed, now_ns: int, on_quarantine: Callable[[str, str], None] | None = None) -> Claimed | None:
+def take(ready: Claimed, now_ns: int, on_quarantine: Callable[[str, str], None] | None = None) -> Claimed | None:
     """Rename a prepared job into cur/: the claim itself. None (and the
     lock let go) if since it was prepared it was postponed (``touch -d``),
     moved away, or replaced under its name (an editor saving by rename):
@@ -420,7 +420,7 @@ def finish(ctx: Context, claimed: Claimed, out: Outcome, worker_id: str, due_now
     return dest, due
 
 
-def unclaim(ctx: Context, claimed: Claimed) -> str:
+def unclaim(claimed: Claimed) -> str:
     """Move a claimed job that never started back to the folder it was
     taken from, record and due time unchanged (a claim rewrites neither in
     cur/), and let it go. One rename: a crash before it leaves the job in

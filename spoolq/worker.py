@@ -486,7 +486,7 @@ class Worker:
                 if ahead is not None and ahead[0] is entry:
                     self._ahead = None
                     ready = ahead[1]  # prepared while the last job ran
-                    claimed = transitions.take(self.ctx, ready, time.time_ns(), self._on_quarantine) if ready else None
+                    claimed = transitions.take(ready, time.time_ns(), self._on_quarantine) if ready else None
                 else:
                     self._drop_ahead()
                     claimed = transitions.claim(self.ctx, entry, time.time_ns(), self._on_quarantine, self._on_busy,
@@ -788,7 +788,7 @@ class Worker:
         happened, so none is counted. False if it cannot (then it is
         finished as an interrupted run, as before)."""
         try:
-            folder = transitions.unclaim(self.ctx, claimed)
+            folder = transitions.unclaim(claimed)
         except Exception as e:
             if claimed.held.folder == "cur":
                 return False  # not moved: finished as an interrupted run
