@@ -38,3 +38,23 @@ def test_automatic_compaction_folds_with_the_reloaded_settings(fast_spool, watch
     assert s.show(big)["state"] == "done"
     for job_id in small:
         assert s.show(job_id)["state"] == "done"
+
+
+def test_one_settings_holder_reaches_every_reader(tmp_path):
+    """In process: the Spool's settings, the transition context and the
+    spool directory's fsync flag see one reload of config.json at once."""
+    from spoolq import Spool
+
+    path = tmp_path / "spool"
+    Spool(path).init()
+    q = Spool(path)
+    settings = q.settings
+    ctx = q.context()
+    assert q.dir.fsync is True
+    Spool(path).config_set("max_job_bytes", 5000)  # another writer: q has not seen it
+    Spool(path).config_set("fsync", False)
+    assert ctx.settings["max_job_bytes"] == 1048576
+    settings.reload()
+    assert q.settings is settings and ctx.settings is settings
+    assert ctx.settings["max_job_bytes"] == 5000
+    assert q.dir.fsync is False
