@@ -282,7 +282,7 @@ def as_log(log: Any) -> Any:
     with its ``line`` method) as it is, a logging.Logger (or adapter) to
     take every line, or None for the ``spoolq`` logger (whose records
     logging shows as configured)."""
-    if isinstance(log, Log) or callable(getattr(log, "line", None)):  # (a Log-like object, as before)
+    if isinstance(log, Log) or callable(getattr(log, "line", None)):  # a Log, or an object with its line method
         return log
     if log is None:
         return Log(level=2)
