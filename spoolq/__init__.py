@@ -7,22 +7,8 @@
     q.work(handlers={"send_email": send_email})
 """
 
-from .record import InvalidJob
-from .spool import DuplicateId, PartlyEnqueued, Spool
+from .errors import DuplicateId, InvalidJob, JobNotFound, NotPossible, PartlyEnqueued, Permanent
+from .spool import Spool
 
 __all__ = ["Spool", "Permanent", "InvalidJob", "DuplicateId", "PartlyEnqueued", "JobNotFound", "NotPossible"]
 __version__ = "0.1.0"
-
-
-def __getattr__(name: str):
-    # Imported lazily: the runner pulls in subprocess and select, which a
-    # program that only enqueues does not need.
-    if name == "Permanent":
-        from .runner import Permanent
-
-        return Permanent
-    if name in ("JobNotFound", "NotPossible"):  # what cancel() and retry() raise with check=True
-        from . import transitions
-
-        return getattr(transitions, name)
-    raise AttributeError(f"module 'spoolq' has no attribute {name!r}")

@@ -18,8 +18,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .protocol import refuse_non_directory, syncfs
+from .linux import syncfs
+from .protocol import refuse_non_directory
+from .record import parse_time
 from .spool import Spool
+from .worker import SCAN_LIMIT
 
 SPOOLQ_CMD = [sys.executable, "-m", "spoolq"]
 
@@ -151,8 +154,6 @@ class Bench:
         rename out, close. Measured on the spool's own files, so it reads
         from a folder as large as the drain that follows starts with. The
         files end in a folder of their own, not in done/."""
-        from .worker import SCAN_LIMIT
-
         sp = spool.dir
         out = os.path.join(spool.path, "bare-done")
         os.makedirs(out, exist_ok=True)
@@ -294,8 +295,6 @@ class Bench:
         timestamp right before it spawns the process), with a watcher running.
         ``scope`` "paired" is watchdog's stock move pairing, in which claims
         stall events for up to half a second; "new" is spoolq's watch."""
-        from .record import parse_time
-
         spool = self.fresh_spool(f"latency-{scope}-j{jobs}")
         spool.config_set("fsync", False)  # pickup is measured without fsync
         env = dict(os.environ, SPOOLQ_WATCH_SCOPE=scope)
@@ -477,8 +476,6 @@ class Bench:
         figs = [self.add(Figure(f"scale_enqueue_{label}", tail, enq, note=f"Spool.enqueue with {size - tail:,} already waiting"))]
         figs.append(self.status_time(spool, label, name=f"scale_status_{label}"))
         t0 = time.perf_counter()
-        from .worker import SCAN_LIMIT
-
         spool.dir.scan(time.time_ns(), SCAN_LIMIT)
         scan = time.perf_counter() - t0
         figs.append(self.add(Figure(f"scale_scan_{label}", size, scan, kind="time",

@@ -18,8 +18,9 @@ from typing import Any
 import click
 
 from . import output, record
+from .errors import JobNotFound, NotPossible
 from .output import dumps, echo, fail, one_line
-from .spool import PartlyEnqueued, Spool
+from .spool import PartlyEnqueued, Spool, load_app
 
 STATE_CHOICE = click.Choice(["new", "cur", "failed", "dead", "done"])
 
@@ -376,9 +377,6 @@ def _read_jsonl(source: str, options: dict[str, Any]):
 @click.pass_context
 def work(ctx, jobs, max_jobs, max_time, app, watch, poll, quiet, verbose):
     """Recover, then run due jobs until none is due (or forever with --watch)."""
-    from .spool import load_app
-    from .worker import Log, log_what_waits
-
     spool = _spool(ctx)
     handlers = {}
     if app:
@@ -387,28 +385,12 @@ def work(ctx, jobs, max_jobs, max_time, app, watch, poll, quiet, verbose):
         except ValueError as e:
             fail(str(e), 2)
     output.log_to_stderr()
-    log = Log(level=0 if quiet else 2 if verbose else 1)
-    from .worker import Worker
-
+    log = output.Log(level=0 if quiet else 2 if verbose else 1)
     output.require_spool(spool)  # a mistyped path must not become an empty spool that is watched forever
-    spool._open(create=True)
-    watch = watch or poll is not None
-    if max_jobs is not None:
-        jobs = max(1, min(jobs, max_jobs))  # no worker process without a job to claim; one still recovers
-    if jobs > 1:  # N worker processes (see pool.py)
-        from .pool import run_workers
-
-        spool.dir.close()  # each worker process opens its own: with these too, it ran short under a low limit
-        clean = run_workers(lambda: Spool(spool.path), jobs, handlers, max_jobs, max_time, watch, poll, log)
-        log_what_waits(spool.dir, log)
-        if not clean:
-            sys.exit(1)
-        return
-    worker = Worker(spool, handlers=handlers, jobs=jobs, max_jobs=max_jobs, max_time=max_time,
-                    watch=watch, poll=poll, log=log)
-    worker.run()
-    log_what_waits(spool.dir, log)
-    if worker.failed_to_record:
+    result = spool.work(handlers=handlers, jobs=jobs, max_jobs=max_jobs, max_time=max_time,
+                        watch=watch or poll is not None, poll=poll, log=log, processes=True)
+    output.log_what_waits(spool.dir, log)
+    if not result.clean:
         sys.exit(1)
 
 
@@ -422,7 +404,7 @@ def status(ctx, as_json, prometheus):
         fail("give --json or --prometheus, not both", 2)
     spool = _existing(ctx)
     if prometheus:
-        from .metrics import prometheus_text
+        from .metrics import prometheus_text  # imported here: start-up speed (only --prometheus needs it)
 
         echo(prometheus_text(spool, on_problem=lambda message: echo(f"spoolq: {message}", err=True)), nl=False)
         return
@@ -494,8 +476,6 @@ def show(ctx, job_id, as_json):
 @click.pass_context
 def cancel(ctx, job_id):
     """Cancel a waiting job (new/ or failed/ -> done/, outcome cancelled)."""
-    from .transitions import JobNotFound, NotPossible
-
     output.refuse_bad_ids((job_id,))
     spool = _existing(ctx)
     try:
@@ -523,8 +503,6 @@ def retry(ctx, job_ids, all_):
 
 
 def _retry(ctx, job_ids, all_):
-    from .transitions import JobNotFound, NotPossible
-
     if all_ == bool(job_ids):
         fail("give job ids or --all", 2)
     spool = _spool(ctx)
@@ -699,7 +677,7 @@ def config_set(ctx, key, value):
 def bench(ctx, n, fsync, sections, true_jobs, scale_sizes, compare, as_json, keep):
     """Measure this machine and filesystem: enqueue and drain rates next to
     bare-loop baselines. Runs in a scratch folder inside the spool, removed after."""
-    from . import bench as benchmod
+    from . import bench as benchmod  # imported here: start-up speed (only spoolq bench needs it)
 
     spool = _spool(ctx)
     if fsync is None:

@@ -13,6 +13,7 @@ import math
 import os
 from typing import Any
 
+from .errors import ConfigError  # noqa: F401 - importable from here too
 from .record import MAX_TIMEOUT, parse_duration
 
 DEFAULTS: dict[str, Any] = {
@@ -44,10 +45,6 @@ HELP = {
     "compact_after": "fold done/ into index.db when it holds more files (0 = never)",
     "rescan_interval": "seconds between full rescans in watch mode",
 }
-
-
-class ConfigError(ValueError):
-    """A bad key or value; the message says which and why."""
 
 
 # Durations are capped at ten years, as a job's timeout is: a due time or a
@@ -197,6 +194,39 @@ def load(root: str) -> dict[str, Any]:
         except ConfigError as e:
             raise ConfigError(f"{path}: {e}") from None
     return settings
+
+
+class Settings(dict):
+    """The one holder of a spool's settings, shared by everything that
+    reads them (the worker, the transitions, automatic compaction, the
+    spool directory's fsync flag): ``reload()`` replaces the values in
+    place, so a SIGHUP reaches every reader at once. ``generation`` counts
+    the loads, for readers that keep something worked out from a value
+    (the trusted users' uids). ``on_load`` callbacks are told of each load."""
+
+    def __init__(self, root: str):
+        super().__init__()
+        self.root = root
+        self.loaded = False
+        self.generation = 0
+        self._on_load: list[Any] = []
+
+    def on_load(self, callback: Any) -> None:
+        """Call ``callback(settings)`` after each load from now on."""
+        self._on_load.append(callback)
+
+    def reload(self) -> None:
+        """Read config.json again; on an error (raised) the values stay as they were."""
+        self.use(load(self.root))
+
+    def use(self, values: dict[str, Any]) -> None:
+        """Take ``values`` as the settings."""
+        self.clear()
+        self.update(values)
+        self.loaded = True
+        self.generation += 1
+        for callback in self._on_load:
+            callback(self)
 
 
 def read_stored(root: str) -> dict[str, Any]:

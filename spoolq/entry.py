@@ -41,14 +41,14 @@ def main() -> None:
     quick = plain_show(sys.argv[1:])
     if quick is None:
         try:
-            from .cli import main as click_main
+            from .cli import main as click_main  # imported here: start-up speed (click, for every command but a plain show)
         except KeyboardInterrupt:  # Ctrl-C while Python imports: nothing was done yet
             sys.stderr.write("spoolq: interrupted\n")
             sys.exit(130)
         click_main()
         return
     spool_dir, job_id, as_json = quick
-    from . import output
+    from . import output  # imported here: start-up speed (plain_show needs neither)
     from .spool import Spool
 
     try:

@@ -22,7 +22,7 @@ import os
 import stat
 import sqlite3
 import time
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from . import record
 from .protocol import duplicate_name, file_name, id_of

@@ -129,7 +129,7 @@ def _settings_problem(spool: Any) -> str | None:
     try:
         spool.settings  # noqa: B018 - loads config.json
     except config.ConfigError as e:
-        spool._settings = dict(config.DEFAULTS)
+        spool._settings.use(dict(config.DEFAULTS))
         return str(e)
     return None
 

@@ -1,4 +1,5 @@
-"""What the command prints: lines, JSON, one-line errors, a job's record.
+"""Everything spoolq prints: lines, JSON, one-line errors, a job's record,
+and the worker's log lines (``Log``, ``LinePrinter``).
 
 Kept apart from ``cli`` and free of click so that the quick path in
 ``entry`` (``spoolq show``, which scripts call in loops) prints exactly what
@@ -12,9 +13,17 @@ import json
 import os
 import sys
 import threading
+import time
 from typing import Any, NoReturn
 
+from .errors import ConfigError, DuplicateId, InvalidJob, NoSuchGroup, NotASpool, SpoolError
+from .ids import id_problem
+from .protocol import refuse_non_directory
+from .record import rfc3339
+
 LOGGER = "spoolq"  # the logger whose records the worker's log lines are
+# The logging levels, as numbers: logging itself is imported only where lines are logged.
+DEBUG, INFO, WARNING, ERROR = 10, 20, 30, 40
 
 
 def echo(text: str = "", err: bool = False, nl: bool = True) -> None:
@@ -64,12 +73,7 @@ def fail_for(error: BaseException) -> NoReturn:
 
     1: the request could not be done; 2: invalid input or settings;
     130: interrupted; 141: the reader of stdout went away."""
-    from . import config
-    from .protocol import NoSuchGroup, SpoolError
-    from .record import InvalidJob
-    from .spool import DuplicateId
-
-    if isinstance(error, (InvalidJob, config.ConfigError, NoSuchGroup)):
+    if isinstance(error, (InvalidJob, ConfigError, NoSuchGroup)):
         fail(str(error), 2)
     if isinstance(error, (DuplicateId, SpoolError)):
         fail(str(error), 1)
@@ -113,8 +117,6 @@ def _blocked_by(path: str) -> str | None:
 
 def require_spool(spool) -> None:
     """Exit 1 with a hint when the path holds no spool."""
-    from .protocol import NotASpool, refuse_non_directory
-
     if spool.dir.exists():
         return
     refuse_non_directory(spool.path)
@@ -129,8 +131,6 @@ def require_spool(spool) -> None:
 
 def refuse_bad_ids(job_ids) -> None:
     """Exit 2 (invalid input) for an id no job can have, before any is acted on."""
-    from .protocol import id_problem
-
     for job_id in job_ids:
         problem = id_problem(job_id)
         if problem:
@@ -168,11 +168,11 @@ def show(spool, job_id: str, as_json: bool) -> None:
 def syslog_priority(levelno: int) -> int:
     """The syslog priority of a logging level, as sd-daemon(3) prefixes a
     line with it: 3 err, 4 warning, 6 info, 7 debug."""
-    if levelno >= 40:  # logging.ERROR (logging itself is imported only by a worker)
+    if levelno >= ERROR:
         return 3
-    if levelno >= 30:  # WARNING
+    if levelno >= WARNING:
         return 4
-    return 6 if levelno >= 20 else 7  # INFO, else DEBUG
+    return 6 if levelno >= INFO else 7
 
 
 def under_journal(stream: Any) -> bool:
@@ -214,8 +214,6 @@ class LinePrinter:
         if self.journal:
             line = f"<{syslog_priority(levelno)}>{text}\n"
         else:
-            from .record import rfc3339
-
             line = f"{rfc3339(created)[:23]}Z {text}\n"
         with self._lock:
             try:
@@ -229,7 +227,7 @@ def log_to_stderr() -> None:
     """Print the ``spoolq`` logger's records on stderr with a LinePrinter,
     and only there (an --app module that configures logging gets none of
     them twice)."""
-    import logging
+    import logging  # imported here: start-up speed (as in Log)
 
     printer = LinePrinter()
 
@@ -241,3 +239,88 @@ def log_to_stderr() -> None:
     logger.addHandler(LineHandler())
     logger.setLevel(logging.DEBUG)  # how much is logged is the worker's Log level (-q, -v)
     logger.propagate = False
+
+
+class Log:
+    """A worker's log: one grep-friendly line per job outcome or event.
+
+    The lines are records of the ``spoolq`` logger (or of ``logger``), each
+    with a level: ERROR for a job gone dead and for errors, WARNING for a
+    failed run and what else wants a look, INFO for the rest, DEBUG for the
+    verbose lines. ``spoolq work`` prints them (output.log_to_stderr); a
+    program that configures logging gets them like any library's. Given a
+    ``stream``, the lines are printed on it instead, as ``spoolq work``
+    prints them. ``level`` is how much is logged at all: 0 problems only
+    (``spoolq work -q``), 1 outcomes, 2 verbose."""
+
+    def __init__(self, stream: Any = None, level: int = 1, logger: Any = None):
+        import logging  # imported here: start-up speed (``spoolq show`` prints through this module, and logs nothing)
+
+        self.level = level
+        self.logger = logger if logger is not None else logging.getLogger(LOGGER)
+        self._printer = LinePrinter(stream) if stream is not None else None
+
+    def line(self, text: str, level: int = 1, severity: int | None = None) -> None:
+        """Log ``text`` if ``level`` is within this log's; ``severity`` (a
+        logging level) defaults to ERROR, INFO and DEBUG for levels 0, 1, 2."""
+        if level > self.level:
+            return
+        if severity is None:
+            severity = _SEVERITY[level]
+        text = one_line(text)  # a file name or an error quoted in it may hold any character
+        if self._printer is not None:
+            self._printer.write(text, severity)
+        elif self.logger.isEnabledFor(severity):
+            self.logger.log(severity, text, stacklevel=2)
+
+
+_SEVERITY = {0: ERROR, 1: INFO, 2: DEBUG}
+
+
+def as_log(log: Any) -> Any:
+    """A worker's Log for what Spool.work was given: a Log (or an object
+    with its ``line`` method) as it is, a logging.Logger (or adapter) to
+    take every line, or None for the ``spoolq`` logger (whose records
+    logging shows as configured)."""
+    if isinstance(log, Log) or callable(getattr(log, "line", None)):  # a Log, or an object with its line method
+        return log
+    if log is None:
+        return Log(level=2)
+    import logging  # imported here: start-up speed (as in Log)
+
+    if isinstance(log, (logging.Logger, logging.LoggerAdapter)):
+        return Log(level=2, logger=log)
+    raise TypeError(f"log must be a logging.Logger, not {type(log).__name__}")
+
+
+def quoted(text: str) -> str:
+    """A value for a ``key="value"`` field of a log line: one line, no double quote, at most 200 characters."""
+    text = text.replace("\n", " ").replace('"', "'")
+    return f'"{text[:200]}"'
+
+
+def log_what_waits(spool_dir: Any, log: Log) -> None:
+    """Log, as ``spoolq work`` ends, how many jobs wait in failed/ and when
+    the first of them is due again, and how many are dead: a worker run from
+    cron exits 0 whatever its jobs did, so this line is what its mail says.
+    Nothing when there are neither. A failed job's due time is its file's
+    modification time, so this is one listing of each folder."""
+    try:
+        failed, next_due = 0, None
+        for _name, st in spool_dir.entries("failed"):
+            failed += 1
+            if next_due is None or st.st_mtime < next_due:
+                next_due = st.st_mtime
+        dead = spool_dir.count("dead")
+    except Exception:  # (a folder made unreadable meanwhile) a note must not fail a clean exit
+        return
+    parts = []
+    if failed:
+        when = "due now" if next_due <= time.time() else time.strftime("at %Y-%m-%dT%H:%M:%SZ", time.gmtime(next_due))
+        parts.append(f"{failed} job{'s wait' if failed != 1 else ' waits'} in failed/ (next retry {when})")
+    if dead:
+        parts.append(f"{dead}{'' if failed else ' job' if dead == 1 else ' jobs'} dead (spoolq list --state dead)")
+    if parts:
+        # Not under -q (cron's mail, every minute): a dead job was told once,
+        # at ERROR, when it died, and a failed one is retried by design.
+        log.line("stopped: " + ", ".join(parts), 1, WARNING)

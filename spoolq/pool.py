@@ -6,8 +6,9 @@ lock, switching ~10 times per job; with short jobs, ``-j 2`` in threads
 ran barely faster than ``-j 1``. Worker processes need nothing new from
 the protocol, which is built for many workers on one spool (locks and
 renames); each has its own registration, so recovery and ``status`` see
-them as the workers they are. (``Spool.work(jobs=N)`` keeps to threads:
-it runs in the caller's process, whose handlers may share its state.)
+them as the workers they are. (``Spool.work(jobs=N)`` keeps to threads
+unless given ``processes=True``: it runs in the caller's process, whose
+handlers may share its state.)
 
 Signals go to the parent, which passes them on: the first SIGTERM or
 SIGINT as SIGUSR1 (stop claiming, let running jobs finish), a second as
@@ -31,13 +32,14 @@ from typing import Any, Callable
 
 from .procs import DIRECT_SIGNALS, HANDLED_SIGNALS
 from .runner import die_with_parent
-from .worker import RELAYED_SIGNALS, STOPPING, STOPPING_NOW, Log, Worker
+from .output import Log
+from .worker import RELAYED_SIGNALS, STOPPING, STOPPING_NOW, Worker
 
 PASSED_ON = DIRECT_SIGNALS  # a worker process handles these and RELAYED_SIGNALS: HANDLED_SIGNALS
 # Blocked in the parent for the whole run and taken with sigtimedwait: a
-# handler runs only once Python runs again, and a signal that came just
-# before the parent went to sleep in waitid() was handled by nobody until
-# a worker ended (a stop lost about once in 500 starts).
+# handler runs only once Python runs again, so a signal that came just
+# before the parent went to sleep in waitid() would be handled by nobody
+# until a worker ended.
 WAITED = PASSED_ON + RELAYED_SIGNALS + (signal.SIGCHLD,)
 
 
@@ -49,16 +51,21 @@ def shares(max_jobs: int | None, processes: int) -> list[int | None]:
     return [max_jobs // processes + (1 if i < max_jobs % processes else 0) for i in range(processes)]
 
 
-def run_workers(make_spool: Callable[[], Any], processes: int, handlers: dict, max_jobs: int | None,
-                max_time: float | None, watch: bool, poll: float | None, log: Log) -> bool:
+def run_workers(make_worker: Callable[..., Worker], processes: int, max_jobs: int | None, log: Log) -> tuple[int, bool]:
     """Run ``processes`` workers on one spool until each has drained it (or,
-    watching, until told to stop). True when every worker ended cleanly.
+    watching, until told to stop). ``make_worker(max_jobs=, relayed=,
+    pool_parent=, processes=)`` makes one in a worker process. Returns how
+    many jobs they ran, and True when every worker ended cleanly.
 
     A worker process that fails (it could not record an outcome, or was
     killed) stops the others, as a failing worker stops itself: the command
     then exits 1, and whoever restarts it (systemd's Restart=on-failure, the
     next cron run) recovers the job the failed one left in cur/."""
     parent = os.getpid()
+    # Each worker process writes how many jobs it ran here as it ends (one
+    # short line: a single write, whole); read once all have ended.
+    ran_reader, ran_writer = os.pipe()
+    os.set_blocking(ran_reader, False)
     children: set[int] = set()
     stop_signals = 0
     clean = True
@@ -138,7 +145,8 @@ def run_workers(make_spool: Callable[[], Any], processes: int, handlers: dict, m
                 _flush(stream)
             pid = os.fork()
             if pid == 0:
-                _worker_process(make_spool, handlers, share, max_time, watch, poll, log, parent, processes)
+                os.close(ran_reader)
+                _worker_process(make_worker, share, log, parent, processes, ran_writer)
             children.add(pid)
         if stop_signals:  # (a handler may have run before the last child was added; telling again is harmless)
             tell(signal.SIGUSR1 if stop_signals == 1 else signal.SIGUSR2)
@@ -158,7 +166,15 @@ def run_workers(make_spool: Callable[[], Any], processes: int, handlers: dict, m
         signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
         for sig, handler in old_handlers.items():
             signal.signal(sig, handler)
-    return clean
+        os.close(ran_writer)
+        reports = b""
+        try:
+            while chunk := os.read(ran_reader, 65536):
+                reports += chunk
+        except BlockingIOError:  # all read: a forked handler may still hold the other end
+            pass
+        os.close(ran_reader)
+    return sum(int(line) for line in reports.split()), clean
 
 
 def _flush(stream: Any) -> None:
@@ -168,13 +184,12 @@ def _flush(stream: Any) -> None:
         pass
 
 
-def _worker_process(make_spool, handlers, share, max_time, watch, poll, log, parent, processes) -> None:
+def _worker_process(make_worker, share, log, parent, processes, ran_writer) -> None:
     """The body of one worker process (its signals blocked until its
     handlers are in place); never returns."""
     code = 1
     try:
-        worker = Worker(make_spool(), handlers=handlers, jobs=1, max_jobs=share, max_time=max_time,
-                        watch=watch, poll=poll, log=log, relayed=True, pool_parent=parent, processes=processes)
+        worker = make_worker(max_jobs=share, relayed=True, pool_parent=parent, processes=processes)
         # Until run() puts them in place (the same ones). SIGCHLD was
         # blocked for the parent's sake only.
         for sig in HANDLED_SIGNALS:
@@ -185,6 +200,7 @@ def _worker_process(make_spool, handlers, share, max_time, watch, poll, log, par
             worker._on_signal(signal.SIGUSR1, None)
         worker.run()
         code = 1 if worker.failed_to_record else 0
+        os.write(ran_writer, f"{worker.ran}\n".encode())
     except BaseException as e:  # a worker process must never return into the parent's code
         try:
             log.line(f"worker process {os.getpid()} failed: {type(e).__name__}: {e}", 0)

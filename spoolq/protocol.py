@@ -1,5 +1,5 @@
-"""The on-disk protocol: the only module that knows paths, names, locks, fsync
-and renames.
+"""The on-disk protocol: the only module that knows paths, locks, fsync and
+renames (the names themselves are ``ids``'s).
 
 A spool is a directory; a job is a file; a job's state is the folder its file
 is in. Every change of state is one ``rename(2)`` that never replaces a file,
@@ -20,15 +20,26 @@ import fcntl
 import gc
 import itertools
 import os
-import re
 import stat
-import sys
 import threading
 import time
 import zlib
 from typing import Iterator, NamedTuple
 
-from . import procs
+from . import linux, procs
+from .errors import Busy, Exists, Gone, NoSuchGroup, NotASpool, NotRegular, SpoolError  # noqa: F401 - importable from here too
+from .ids import (  # noqa: F401 - importable from here too
+    REASON_PREFIX,
+    STAGED_PREFIX,
+    duplicate_name,
+    file_name,
+    id_of,
+    id_problem,
+    listed_names,
+    new_id,
+    staged_intact,
+    staged_job_name,
+)
 
 STATES = ("new", "cur", "failed", "dead", "done")
 WAITING = ("new", "failed")
@@ -45,57 +56,7 @@ SLOW_READ_NS = 40_000
 
 TMP_MAX_AGE = 36 * 3600  # Maildir's rule: a tmp/ file this old is abandoned.
 
-#: A record written ahead of its swap into cur/ (``Held.stage``):
-#: ``.staged.<job file name>.<crc32 of its content, 8 hex digits>``.
-STAGED_PREFIX = ".staged."
 
-#: Why a file went to dead/, kept from that moment on whatever is later
-#: written into it: ``dead/.reason.<its name>``, holding the identity of the
-#: file it is for (``<inode> <device> <birth time in ns>``), a newline, and
-#: the reason.
-REASON_PREFIX = ".reason."
-
-_ID_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}\Z")
-
-
-class SpoolError(Exception):
-    """A problem with the spool itself (layout, permissions, filesystem)."""
-
-
-class NotASpool(SpoolError):
-    """The path holds no spool: missing, or a directory without the layout.
-    Reading a spool never creates one, so a mistyped path is said, not
-    turned into an empty spool."""
-
-    def __init__(self, path: str):
-        import shlex
-
-        super().__init__(f"{path} is not a spool (create one with: spoolq -s {shlex.quote(path)} init)")
-        self.path = path
-
-
-class Busy(Exception):
-    """The file is locked by someone else."""
-
-
-class Gone(Exception):
-    """The file moved away or was replaced before we could hold it."""
-
-
-class NotRegular(Exception):
-    """The entry is not a regular file (symlink, FIFO, directory, device)."""
-
-    def __init__(self, kind: str):
-        super().__init__(kind)
-        self.kind = kind
-
-
-class NoSuchGroup(ValueError):
-    """``init --group`` names a group this system does not have (invalid input)."""
-
-
-class Exists(Exception):
-    """The destination name is taken."""
 
 
 # --------------------------------------------------------------------------
@@ -157,35 +118,6 @@ _name_seq = itertools.count(1)  # next() is atomic under the GIL: no lock
 os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
 
 
-# --------------------------------------------------------------------------
-# ids and names
-
-
-def id_problem(job_id: object) -> str | None:
-    """Why ``job_id`` is not a valid id, or None if it is."""
-    if not isinstance(job_id, str):
-        return "id must be a string"
-    # The gravest reason first: '../x' is refused for its path, not its dot.
-    if "/" in job_id:
-        return f"id {job_id!r} contains '/'"
-    if ".." in job_id:
-        return f"id {job_id!r} contains '..'"
-    if not _ID_RE.match(job_id):
-        if job_id.startswith("."):
-            return f"id {job_id!r} starts with a dot"
-        return f"id {job_id!r} is not 1-128 characters of A-Z a-z 0-9 . _ -"
-    return None
-
-
-def listed_names(job_id: object) -> tuple[str, ...]:
-    """The names a file that listings show as ``job_id`` may have, when that
-    is no valid id (no '/', no NUL, no dot-file, no longer than a name can
-    be): such a file is looked up by that name, only in the state folders."""
-    if not isinstance(job_id, str) or not job_id or "/" in job_id or "\x00" in job_id or job_id.startswith("."):
-        return ()
-    return tuple(n for n in (file_name(job_id), job_id) if len(os.fsencode(n)) <= 255)
-
-
 def _names(dir_fd: int, name: str, st: os.stat_result) -> bool:
     """Whether ``name`` in the folder still names the file ``st`` is of
     (not gone, not replaced by another file since it was opened)."""
@@ -194,43 +126,6 @@ def _names(dir_fd: int, name: str, st: os.stat_result) -> bool:
     except FileNotFoundError:
         return False
     return (now.st_ino, now.st_dev) == (st.st_ino, st.st_dev)
-
-
-def id_of(name: str) -> str:
-    """The job id that a file name stands for: the name without ``.json``."""
-    return name[:-5] if name.endswith(".json") and len(name) > 5 else name
-
-
-def file_name(job_id: str) -> str:
-    return job_id + ".json"
-
-
-def duplicate_name(name: str) -> str:
-    """A fresh name for a second file claiming an id that is taken: the id
-    with a random ``.dup-XXXXXXXX`` suffix (still a valid id)."""
-    base = id_of(name)[:110]
-    ext = ".json" if name.endswith(".json") else ""
-    return f"{base}.dup-{os.urandom(4).hex()}{ext}"
-
-
-_last_us = 0
-_id_lock = threading.Lock()
-
-
-def new_id() -> str:
-    """A fresh id: microseconds since the epoch in hex, then 64 random bits.
-
-    Ids sort in creation order (strictly within a process, to the microsecond
-    across processes) and are unique across processes and hosts by the random
-    part, with no coordination.
-    """
-    global _last_us
-    with _id_lock:
-        us = time.time_ns() // 1000
-        if us <= _last_us:
-            us = _last_us + 1
-        _last_us = us
-    return f"{us:014x}.{os.urandom(8).hex()}"
 
 
 # --------------------------------------------------------------------------
@@ -243,17 +138,8 @@ _renameat2_state = 0  # 0 unknown, 1 available, -1 unsupported here
 
 def _load_renameat2():
     global _renameat2, _renameat2_state
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        func = libc.renameat2
-        func.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-        func.restype = ctypes.c_int
-        _renameat2 = (func, ctypes.get_errno)
-        _renameat2_state = 1
-    except (OSError, AttributeError):
-        _renameat2_state = -1
+    _renameat2 = linux.renameat2()
+    _renameat2_state = 1 if _renameat2 else -1
 
 
 def rename_noreplace(src_dir: int, src: str, dst_dir: int, dst: str) -> None:
@@ -628,7 +514,7 @@ class SpoolDir:
         if len(fds) == 1:
             os.fdatasync(fds[0])
         else:
-            syncfs(self.fd("cur"))
+            linux.syncfs(self.fd("cur"))
 
     def staged_records(self) -> dict[str, list[str]]:
         """The staged records in cur/ (see ``Held.stage``), by the name of
@@ -746,7 +632,7 @@ class SpoolDir:
                 written.append((tmp, name))
                 _close_held(fd)
             if self.fsync and written:
-                syncfs(tmp_dir)
+                linux.syncfs(tmp_dir)
             new_dir = self.fd("new")
             for tmp, name in written:
                 rename_noreplace(tmp_dir, tmp, new_dir, name)
@@ -1344,56 +1230,11 @@ def _changed_before(entry: os.DirEntry, when: float) -> bool:
         return False
 
 
-_statx_func = None
-
-
-def _birth_ns(dir_fd: int, name: str) -> int:
-    """When the file was created (statx's btime), in ns; 0 where the kernel,
-    C library or filesystem do not say."""
-    global _statx_func
-    if _statx_func is None:
-        try:
-            import ctypes
-
-            libc = ctypes.CDLL(None, use_errno=True)
-            func = libc.statx
-            func.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint, ctypes.c_char_p]
-            func.restype = ctypes.c_int
-            _statx_func = (func, ctypes.create_string_buffer)
-        except (OSError, AttributeError):
-            _statx_func = False
-    if not _statx_func:
-        return 0
-    func, make_buffer = _statx_func
-    buf = make_buffer(256)  # struct statx
-    # AT_SYMLINK_NOFOLLOW, STATX_BTIME; stx_mask at 0, stx_btime (s64 sec, u32 nsec) at 80
-    if func(dir_fd, os.fsencode(name), 0x100, 0x800, buf) != 0:
-        return 0
-    raw = buf.raw
-    if not int.from_bytes(raw[0:4], sys.byteorder) & 0x800:
-        return 0
-    return int.from_bytes(raw[80:88], sys.byteorder, signed=True) * 1_000_000_000 + int.from_bytes(raw[88:92], sys.byteorder)
-
-
 def _identity(dir_fd: int, name: str, st: os.stat_result) -> str:
     """What tells a file from another given its name later, yet stays the
     same while it is written to: its inode, and the time it was created
     (an inode number is often reused at once once its file is removed)."""
-    return f"{st.st_ino} {st.st_dev} {_birth_ns(dir_fd, name)}"
-
-
-def staged_job_name(name: str) -> str | None:
-    """The job file a staged record's name belongs to (None if malformed)."""
-    base, dot, crc = name[len(STAGED_PREFIX):].rpartition(".")
-    if not name.startswith(STAGED_PREFIX) or not dot or len(crc) != 8 or not base:
-        return None
-    return base
-
-
-def staged_intact(name: str, data: bytes) -> bool:
-    """Whether ``data`` is whole: its CRC is the one its staged name carries
-    (a power cut can leave the name on disk without the data)."""
-    return name.endswith(f".{zlib.crc32(data):08x}")
+    return f"{st.st_ino} {st.st_dev} {linux.birth_ns(dir_fd, name)}"
 
 
 def refuse_non_directory(path: str) -> None:
@@ -1471,29 +1312,3 @@ def _unlink_quietly(dir_fd: int, name: str) -> None:
         os.unlink(name, dir_fd=dir_fd)
     except OSError:
         pass
-
-
-_syncfs_func = None
-
-
-def syncfs(fd: int) -> None:
-    """Flush the whole filesystem holding ``fd`` (one sync for many files)."""
-    global _syncfs_func
-    if _syncfs_func is None:
-        try:
-            import ctypes
-
-            libc = ctypes.CDLL(None, use_errno=True)
-            func = libc.syncfs
-            func.argtypes = [ctypes.c_int]
-            func.restype = ctypes.c_int
-
-            def call(fd: int) -> None:
-                if func(fd) != 0:
-                    err = ctypes.get_errno()
-                    raise OSError(err, os.strerror(err))
-
-            _syncfs_func = call
-        except (OSError, AttributeError):
-            _syncfs_func = lambda fd: os.sync()  # noqa: E731
-    _syncfs_func(fd)

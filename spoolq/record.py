@@ -18,22 +18,13 @@ import re
 import time
 from typing import Any
 
-from .protocol import id_problem
+from .errors import Incomplete, InvalidJob  # noqa: F401 - importable from here too
+from .ids import id_problem
 
 MAX_EPOCH = 7258118400  # 2200-01-01T00:00:00Z: far later, mtimes in nanoseconds overflow 64 bits
 MAX_TIMEOUT = 10 * 365 * 86400  # ten years: beyond it select() and timers overflow
 
 TARGETS = ("command", "argv", "kind")
-
-
-class InvalidJob(ValueError):
-    """A job file or job description that can never run; the message is the reason."""
-
-
-class Incomplete(InvalidJob):
-    """Bytes that do not parse but that more bytes could still make a job:
-    an empty file, UTF-8 cut in the middle of a character, or an object cut
-    short. That is what a file still being written looks like."""
 
 
 # --------------------------------------------------------------------------

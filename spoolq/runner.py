@@ -42,13 +42,10 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from . import procs, record
+from . import linux, procs, record
+from .errors import Permanent  # noqa: F401 - importable from here too
 
 PERMANENT_EXIT = 100
-
-
-class Permanent(Exception):
-    """Raise from a handler to fail its job for good: straight to dead/, no retries."""
 
 
 _NO_RESULT = object()
@@ -321,30 +318,15 @@ TRIM_FIRST = 0.005  # the first check; the interval doubles while little is writ
 TRIM_ABOVE = 1 << 20  # captured output beyond this (and 4x output_limit) is let go
 
 
-_fallocate: Any = None
-
-
 def _trim(fd: int, keep: int) -> int:
     """Free all but the last ``keep`` bytes of a growing output file (punch
     a hole; the size stays, reads of the hole give zeros), so a job that
     writes gigabytes costs the worker only its tail in memory. Returns the
     file's size (all the job wrote)."""
-    global _fallocate
     size = os.fstat(fd).st_size
     if size <= max(TRIM_ABOVE, 4 * keep):
         return size
-    if _fallocate is None:
-        try:
-            import ctypes
-
-            func = ctypes.CDLL(None, use_errno=True).fallocate
-            func.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
-            _fallocate = func
-        except (OSError, AttributeError):
-            _fallocate = False
-    if _fallocate:
-        length = (size - keep) & ~4095
-        _fallocate(fd, 0x01 | 0x02, 0, length)  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
+    linux.punch_hole(fd, (size - keep) & ~4095)
     return size
 
 
@@ -760,7 +742,7 @@ def fork_handler(
     """Run a handler job in a forked child, killed if it runs over its
     timeout. ``on_slow`` as for run_process."""
     out = Outcome(start=time.time())
-    _load_prctl()
+    linux.load_prctl()
     result_fd = _memfd("spoolq-result")
     outputs: tuple[int, ...] = ()
     parent = os.getpid()
@@ -853,26 +835,7 @@ def fork_handler(
         close_all(list(outputs))
 
 
-_prctl: Any = None
-
-
-def _load_prctl() -> None:
-    """Resolve prctl(2) in the parent, once: doing it in every forked child
-    cost ~0.8 ms per job here."""
-    global _prctl
-    if _prctl is None:
-        try:
-            import ctypes
-
-            _prctl = ctypes.CDLL(None, use_errno=True).prctl
-        except (OSError, AttributeError):
-            _prctl = False
-
-
 def die_with_parent(sig: int = signal.SIGKILL) -> None:
     """In a forked child: be sent ``sig`` when the parent dies (Linux). A
-    parent that forks often resolves prctl first (_load_prctl)."""
-    _load_prctl()
-    if _prctl:
-        PR_SET_PDEATHSIG = 1
-        _prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
+    parent that forks often resolves prctl first (linux.load_prctl)."""
+    linux.set_death_signal(sig)

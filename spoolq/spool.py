@@ -10,35 +10,13 @@ and the API cannot drift apart::
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from typing import Any, Callable, Iterator, Mapping
 
 from . import config, record
-from .protocol import STATES, Exists, NotRegular, SpoolDir, SpoolError, file_name, id_of, id_problem, new_id, refuse_non_directory
-from .record import InvalidJob
-
-_UNSET = object()
-
-
-class DuplicateId(Exception):
-    """An id that is already present in the spool (a state folder or the index)."""
-
-
-class PartlyEnqueued(SpoolError):
-    """``enqueue_many`` failed after it had published some of its jobs
-    (a full disk, a duplicate id met at the last step): ``ids`` are the
-    jobs that are in ``new/`` and will run, in order; the rest are not."""
-
-    def __init__(self, ids: list[str], total: int, cause: str):
-        if len(ids) < total:
-            message = f"only the first {len(ids)} of {total} jobs were enqueued; the rest were not: {cause}"
-        else:
-            message = f"all {total} jobs are in new/ and will run, but new/ could not be synced: {cause}"
-        super().__init__(message)
-        self.ids = ids
-        self.total = total
+from .errors import DuplicateId, Exists, InvalidJob, NotRegular, PartlyEnqueued, SpoolError  # noqa: F401 - importable from here too
+from .protocol import STATES, SpoolDir, file_name, id_of, id_problem, listed_names, new_id, refuse_non_directory
 
 
 class Spool:
@@ -54,8 +32,9 @@ class Spool:
         if os.fspath(path) == "":
             raise ValueError("the spool path is empty")
         self.path = os.path.abspath(os.fspath(path))
-        self._settings: dict[str, Any] | None = None
         self.dir = SpoolDir(self.path, fsync=True)
+        self._settings = config.Settings(self.path)
+        self._settings.on_load(self._settings_loaded)
         self._index = None
 
     def __repr__(self) -> str:
@@ -64,16 +43,19 @@ class Spool:
     # -- settings ----------------------------------------------------------
 
     @property
-    def settings(self) -> dict[str, Any]:
-        """The spool's settings (config.json over the defaults)."""
-        if self._settings is None:
+    def settings(self) -> config.Settings:
+        """The spool's settings (config.json over the defaults): one holder,
+        shared with the worker, whose reload reaches every reader."""
+        if not self._settings.loaded:
             try:
-                self._settings = config.load(self.path)
+                self._settings.reload()
             except config.ConfigError:
                 refuse_non_directory(self.path)  # the real trouble, said plainly
                 raise
-            self.dir.fsync = bool(self._settings["fsync"])
         return self._settings
+
+    def _settings_loaded(self, settings: config.Settings) -> None:
+        self.dir.fsync = bool(settings["fsync"])
 
     def config_get(self, key: str) -> Any:
         if key not in config.DEFAULTS:
@@ -93,7 +75,7 @@ class Spool:
         stored = config.read_stored(self.path)
         stored[key] = checked
         self.dir.replace_file(None, "config.json", config.dumps(stored), mode=0o664 if self.dir.shared else 0o600)
-        self._settings = None
+        self._settings.loaded = False  # read again when next needed
         return checked
 
     def config_list(self) -> dict[str, Any]:
@@ -101,7 +83,7 @@ class Spool:
 
     def context(self):
         """The transition context (settings, trust, index look-ups)."""
-        from .transitions import Context
+        from .transitions import Context  # imported here: start-up speed (transitions pulls in the runner and subprocess)
 
         return Context(self.dir, self.settings, index_has=self._index_has)
 
@@ -251,7 +233,7 @@ class Spool:
         if self._index is None:
             if not create and _empty_or_missing(os.path.join(self.path, "index.db")):
                 return None
-            from .index import Index
+            from .index import Index  # imported here: start-up speed (sqlite3; enqueue never needs it)
 
             self._index = Index(os.path.join(self.path, "index.db"), durable=bool(self.settings["fsync"]), shared=self.dir.shared)
         return self._index
@@ -264,14 +246,14 @@ class Spool:
         tmp/ files older than 36 hours. ``keep=0`` drops every finished
         job's row, the ones just folded included (the command asks for
         ``--yes`` before it does that)."""
-        from .compact import compact
+        from .compact import compact  # imported here: start-up speed (as the index)
 
         self._open(create=True)
         return compact(self.dir, self.index(create=True), self.settings, keep)
 
     def purge_dead(self, older_than: float) -> dict[str, int]:
         """Clear dead jobs older than ``older_than`` seconds into index.db."""
-        from .compact import purge_dead
+        from .compact import purge_dead  # imported here: start-up speed (as the index)
 
         self._open()
         try:
@@ -283,7 +265,7 @@ class Spool:
         """Finished jobs, throughput, wait time (due to start) and run time
         (p50, p95, max) in total and per kind or program, from index.db plus
         the records still in done/ and dead/. ``since``: epoch seconds."""
-        from .index import Index, stats
+        from .index import Index, stats  # imported here: start-up speed (as in index())
 
         self._open()
         extra = []
@@ -312,8 +294,8 @@ class Spool:
         except (InvalidJob, NotRegular, OSError):
             job = None
         if job is None or (state == "dead" and job.get("error") is None):
-            # Imported only here: the transitions bring in the runner, which
-            # `spoolq show` of a good record does not need.
+            # Imported here: start-up speed (the transitions bring in the
+            # runner, which `spoolq show` of a good record does not need).
             from .transitions import dead_reason
 
             reason = self.dir.noted_reason(name) if state == "dead" else None
@@ -340,8 +322,6 @@ class Spool:
         (``new``, ``cur``, ``failed``, ``dead``, ``done``), compacted jobs
         included; None if there is no such job."""
         self._open()
-        from .protocol import listed_names
-
         named = bool(id_problem(job_id))  # a file listed under a name that is no valid id
         names = listed_names(job_id) if named else (file_name(job_id), job_id)
         if not names:
@@ -356,7 +336,7 @@ class Spool:
             except FileNotFoundError:
                 continue
             if state == "cur":
-                from .registry import live_workers
+                from .registry import live_workers  # imported here: start-up speed (only a job in cur/ needs it)
 
                 for w in live_workers(self.dir):
                     if job_id in (w.get("jobs") or {}):
@@ -370,8 +350,6 @@ class Spool:
     def status(self) -> dict[str, Any]:
         """Counts per state (``done`` includes compacted jobs), the jobs in
         cur/ whose worker died (``abandoned``), and live workers."""
-        from .registry import live_workers
-
         self._open()
         counts: dict[str, Any] = {state: self.dir.count(state) for state in ("new", "cur", "failed")}
         # A file compaction (or a purge) has committed but not yet removed
@@ -389,6 +367,8 @@ class Spool:
                         listed[state] = [i for i in listed[state] if i not in folded]
         counts.update(dead=len(listed["dead"]), done=len(listed["done"]) + compacted, done_files=len(listed["done"]),
                       compacted=compacted, dead_purged=purged)
+        from .registry import live_workers  # imported here: start-up speed (as in get())
+
         counts["abandoned"] = sum(self.dir.is_locked("cur", name) is False for name in self.dir.names("cur"))
         counts["workers"] = [
             {k: w.get(k) for k in ("worker", "host", "pid", "started_at", "jobs")} for w in live_workers(self.dir)
@@ -425,7 +405,7 @@ class Spool:
     def _folded_later(self, job_id: str) -> dict[str, Any] | None:
         """A job's compacted record, read past the snapshot a listing holds:
         for a file compaction removed after the snapshot was taken."""
-        from .index import Index
+        from .index import Index  # imported here: start-up speed (as in index())
 
         later = Index(self.index().path, durable=False, shared=self.dir.shared)
         try:
@@ -470,7 +450,7 @@ class Spool:
         or NotPossible with the reason instead of returning False.
         ``on_note(message)`` hears of a job cancelled whose record could not
         be updated after its move (a full disk): it reads as cancelled."""
-        from . import transitions
+        from . import transitions  # imported here: start-up speed (as in context())
 
         self._open()
         try:
@@ -484,7 +464,7 @@ class Spool:
     def retry(self, job_id: str, check: bool = False, on_note: Callable[[str], None] | None = None) -> bool:
         """Move a dead job back to new/ with a fresh round of attempts
         (``check`` and ``on_note`` as for ``cancel``)."""
-        from . import transitions
+        from . import transitions  # imported here: start-up speed (as in context())
 
         self._open()
         try:
@@ -499,7 +479,7 @@ class Spool:
                   on_note: Callable[[str], None] | None = None) -> list[str]:
         """Move every dead job back to new/; returns their ids. One that
         cannot go stays in dead/ unchanged; ``on_problem(message)`` says why."""
-        from . import transitions
+        from . import transitions  # imported here: start-up speed (as in context())
 
         self._open()
         return transitions.retry_all(self.context(), on_problem, on_note)
@@ -507,7 +487,7 @@ class Spool:
     def sweep(self):
         """The recovery step alone: return abandoned jobs from cur/ (killing
         what their runs left) and remove stale tmp/ files."""
-        from . import recovery
+        from . import recovery  # imported here: start-up speed (as in context())
 
         self._open(create=True)
         try:
@@ -531,24 +511,60 @@ class Spool:
         poll: float | None = None,
         log: Any = None,
         signals: bool = True,
+        processes: bool = False,
     ) -> int:
-        """Run jobs in this process and return how many ran.
+        """Run jobs and return how many ran.
 
         Without ``watch`` it recovers abandoned jobs, runs every due job and
         returns when none is due. ``handlers`` maps a job's ``kind`` to a
         function called with its payload; what a handler prints is its
-        job's output. ``jobs`` runs that many at once. ``log``: a
-        logging.Logger for the worker's lines (by default the ``spoolq``
-        logger's records, shown as logging is configured).
+        job's output. ``jobs`` runs that many at once: threads of this
+        process, or with ``processes`` that many worker processes of one job
+        each, as ``spoolq work -j N`` runs (they always handle the stop
+        signals; see pool.py). ``log``: a logging.Logger for the worker's
+        lines (by default the ``spoolq`` logger's records, shown as logging
+        is configured).
+
+        The number returned is a WorkResult, whose ``clean`` is False when
+        an outcome could not be recorded or a worker process failed.
         """
-        from .worker import Worker
+        from .output import as_log  # imported here: start-up speed (as the worker)
 
         self._open(create=True)
-        worker = Worker(
-            self, handlers=dict(handlers or {}), jobs=jobs, max_jobs=max_jobs, max_time=max_time,
-            watch=watch, poll=poll, log=log, signals=signals,
-        )
-        return worker.run()
+        options = dict(handlers=dict(handlers or {}), max_time=max_time, watch=watch, poll=poll, log=as_log(log))
+        if processes and max_jobs is not None:
+            jobs = max(1, min(jobs, max_jobs))  # no worker process without a job to claim; one still recovers
+        if processes and jobs > 1:
+            from .pool import run_workers  # imported here: start-up speed (as the worker)
+
+            self.dir.close()  # each worker process opens its own; the parent's would only use up the open-file limit
+            path = self.path
+            ran, clean = run_workers(lambda **kw: Spool(path)._worker(**options, **kw), jobs, max_jobs, options["log"])
+            return WorkResult(ran, clean)
+        worker = self._worker(jobs=jobs, max_jobs=max_jobs, signals=signals, **options)
+        ran = worker.run()
+        return WorkResult(ran, not worker.failed_to_record)
+
+    def _worker(self, **options: Any):
+        """A Worker on this spool: its context (the shared settings) and
+        this spool's compaction, nothing more of the facade."""
+        from .worker import Worker  # imported here: start-up speed (the worker pulls in the runner and the watcher)
+
+        self._open(create=True)
+        return Worker(self.context(), compact=self.compact, **options)
+
+
+class WorkResult(int):
+    """How many jobs ``Spool.work`` ran, and whether it ended ``clean``:
+    False when an outcome could not be recorded, or a worker process
+    failed (``spoolq work`` then exits 1)."""
+
+    clean: bool
+
+    def __new__(cls, ran: int, clean: bool) -> "WorkResult":
+        result = super().__new__(cls, ran)
+        result.clean = clean
+        return result
 
 
 def load_app(spec: str) -> dict[str, Callable[[Any], Any]]:
@@ -597,10 +613,6 @@ def _empty_or_missing(path: str) -> bool:
         return os.stat(path).st_size == 0
     except FileNotFoundError:
         return True
-
-
-def to_json(job: dict[str, Any]) -> str:
-    return json.dumps(job, ensure_ascii=False, sort_keys=False)
 
 
 def _reason(error: Exception) -> str:

@@ -26,18 +26,8 @@ import tempfile
 import time
 from typing import Any, Callable, Iterator, Mapping
 
+from .errors import JobFailed  # noqa: F401 - importable from here too
 from .spool import Spool
-
-
-class JobFailed(AssertionError):
-    """A job run by ``run_jobs`` failed; the message carries its error and
-    the tail of its traceback or stderr."""
-
-    def __init__(self, job: dict[str, Any]):
-        self.job = job
-        detail = job.get("stderr") or ""
-        super().__init__(f"job {job.get('id')} ({job.get('kind') or job.get('command') or job.get('argv')}) failed: "
-                         f"{job.get('error')}\n{detail}".rstrip())
 
 
 @contextlib.contextmanager

@@ -22,13 +22,10 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from . import config, record
+from .errors import Busy, Exists, Gone, Incomplete, InvalidJob, JobNotFound, NotPossible, NotRegular  # noqa: F401 - JobNotFound, NotPossible: importable from here too
 from .protocol import (
-    Busy,
     Entry,
-    Exists,
-    Gone,
     Held,
-    NotRegular,
     SpoolDir,
     duplicate_name,
     file_name,
@@ -37,16 +34,8 @@ from .protocol import (
     kind_of,
     listed_names,
 )
-from .record import Incomplete, InvalidJob, rfc3339
+from .record import rfc3339
 from .runner import Outcome
-
-
-class JobNotFound(LookupError):
-    """No job with that id in this spool."""
-
-
-class NotPossible(Exception):
-    """The job exists but the request does not apply to its state."""
 
 
 @dataclass
@@ -54,19 +43,22 @@ class Context:
     """What every transition needs to know about the spool."""
 
     spool: SpoolDir
-    settings: dict[str, Any]
+    settings: dict[str, Any]  # a config.Settings, whose reload() the context sees
     index_has: Callable[[str], bool] = lambda job_id: False
     _trusted: frozenset[int] | None = None
+    _trusted_generation: int = -1
 
     @property
     def trusted_uids(self) -> frozenset[int]:
-        if self._trusted is None:
+        generation = getattr(self.settings, "generation", 0)
+        if self._trusted is None or self._trusted_generation != generation:
             uids = {os.geteuid(), 0}
             for user in self.settings.get("trusted_users", []):
                 uid = _uid_of(user)
                 if uid is not None:
                     uids.add(uid)
             self._trusted = frozenset(uids)
+            self._trusted_generation = generation
         return self._trusted
 
 

@@ -28,7 +28,8 @@ from typing import Any
 
 from . import procs
 from .protocol import SpoolDir
-from .worker import Log, Waker
+from .output import Log
+from .waker import Waker
 
 WAKING_FOLDERS = ("new", "failed")
 DEGRADED_RESCAN = 2.0  # seconds between rescans when inotify cannot be had

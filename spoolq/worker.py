@@ -23,20 +23,22 @@ end the process and leave its registration and jobs behind).
 from __future__ import annotations
 
 import collections
-import ctypes
 import logging
 import os
 import queue
 import signal
 import threading
 import time
-from typing import Any, Callable, TextIO
+from typing import Any, Callable
 
-from . import config, procs, recovery, transitions
-from .output import LOGGER, LinePrinter, one_line
+from . import config, linux, procs, recovery, transitions
+from .errors import ForcedStop
+from .output import Log, as_log, log_what_waits, quoted  # noqa: F401 - Log, log_what_waits: importable from here too
 from .protocol import Entry
 from .registry import Registration
 from .runner import Limits, Outcome, RunHandle, call_handler, close_all, fork_handler, inheritable_fds, make_outputs, run_process
+from .waker import Waker
+from .watcher import make_waker
 
 # Due entries kept per pass: memory stays bounded (~50 MB) however many
 # files wait; a backlog larger than this takes a pass per SCAN_LIMIT jobs.
@@ -69,127 +71,6 @@ PROBE_CLAIMS = 64  # ... once an eighth of this many claims in a row waited for 
 RELAYED_SIGNALS = procs.RELAYED_SIGNALS  # stop, stop now: from the parent of a worker pool
 STOPPING = "no new jobs; running jobs finish (a second SIGTERM or SIGINT kills them)"
 STOPPING_NOW = "running jobs are killed and go back to failed/"
-
-
-class ForcedStop(BaseException):
-    """Raised into an in-process handler when the worker must stop now."""
-
-
-class Log:
-    """A worker's log: one grep-friendly line per job outcome or event.
-
-    The lines are records of the ``spoolq`` logger (or of ``logger``), each
-    with a level: ERROR for a job gone dead and for errors, WARNING for a
-    failed run and what else wants a look, INFO for the rest, DEBUG for the
-    verbose lines. ``spoolq work`` prints them (output.log_to_stderr); a
-    program that configures logging gets them like any library's. Given a
-    ``stream``, the lines are printed on it instead, as ``spoolq work``
-    prints them. ``level`` is how much is logged at all: 0 problems only
-    (``spoolq work -q``), 1 outcomes, 2 verbose."""
-
-    def __init__(self, stream: TextIO | None = None, level: int = 1, logger: Any = None):
-        self.level = level
-        self.logger = logger if logger is not None else logging.getLogger(LOGGER)
-        self._printer = LinePrinter(stream) if stream is not None else None
-
-    def line(self, text: str, level: int = 1, severity: int | None = None) -> None:
-        """Log ``text`` if ``level`` is within this log's; ``severity`` (a
-        logging level) defaults to ERROR, INFO and DEBUG for levels 0, 1, 2."""
-        if level > self.level:
-            return
-        if severity is None:
-            severity = _SEVERITY[level]
-        text = one_line(text)  # a file name or an error quoted in it may hold any character
-        if self._printer is not None:
-            self._printer.write(text, severity)
-        elif self.logger.isEnabledFor(severity):
-            self.logger.log(severity, text, stacklevel=2)
-
-
-_SEVERITY = {0: logging.ERROR, 1: logging.INFO, 2: logging.DEBUG}
-
-
-def as_log(log: Any) -> Any:
-    """A worker's Log for what Spool.work was given: a Log (or an object
-    with its ``line`` method) as it is, a logging.Logger (or adapter) to
-    take every line, or None for the ``spoolq`` logger (whose records
-    logging shows as configured)."""
-    if isinstance(log, Log) or callable(getattr(log, "line", None)):  # (a Log-like object, as before)
-        return log
-    if log is None:
-        return Log(level=2)
-    if isinstance(log, (logging.Logger, logging.LoggerAdapter)):
-        return Log(level=2, logger=log)
-    raise TypeError(f"log must be a logging.Logger, not {type(log).__name__}")
-
-
-def _quote(text: str) -> str:
-    text = text.replace("\n", " ").replace('"', "'")
-    return f'"{text[:200]}"'
-
-
-def log_what_waits(spool_dir: Any, log: Log) -> None:
-    """Log, as ``spoolq work`` ends, how many jobs wait in failed/ and when
-    the first of them is due again, and how many are dead: a worker run from
-    cron exits 0 whatever its jobs did, so this line is what its mail says.
-    Nothing when there are neither. A failed job's due time is its file's
-    modification time, so this is one listing of each folder."""
-    try:
-        failed, next_due = 0, None
-        for _name, st in spool_dir.entries("failed"):
-            failed += 1
-            if next_due is None or st.st_mtime < next_due:
-                next_due = st.st_mtime
-        dead = spool_dir.count("dead")
-    except Exception:  # (a folder made unreadable meanwhile) a note must not fail a clean exit
-        return
-    parts = []
-    if failed:
-        when = "due now" if next_due <= time.time() else time.strftime("at %Y-%m-%dT%H:%M:%SZ", time.gmtime(next_due))
-        parts.append(f"{failed} job{'s wait' if failed != 1 else ' waits'} in failed/ (next retry {when})")
-    if dead:
-        parts.append(f"{dead}{'' if failed else ' job' if dead == 1 else ' jobs'} dead (spoolq list --state dead)")
-    if parts:
-        # Not under -q (cron's mail, every minute): a dead job was told once,
-        # at ERROR, when it died, and a failed one is retried by design.
-        log.line("stopped: " + ", ".join(parts), 1, logging.WARNING)
-
-
-class Waker:
-    """Wakes a sleeping dispatcher. The base class only reacts to wake()
-    calls (finished jobs, signals); watchers add filesystem events.
-
-    Like threading.Event, but on a re-entrant lock: wake() is called from
-    signal handlers, which may interrupt the main thread inside this lock."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition(threading.RLock())
-        self._flag = False
-        self.rescan_interval: float | None = None
-
-    def start(self) -> None:
-        pass
-
-    def stop(self) -> None:
-        pass
-
-    def wake(self) -> None:
-        with self._cond:
-            self._flag = True
-            self._cond.notify_all()
-
-    def clear(self) -> None:
-        with self._cond:
-            self._flag = False
-
-    def wait(self, timeout: float | None) -> bool:
-        with self._cond:
-            if not self._flag:
-                self._cond.wait(timeout)
-            return self._flag
-
-    def check(self) -> None:
-        """Called on each rescan: restart a failed watch (watchers override)."""
 
 
 class ReadAhead:
@@ -234,7 +115,7 @@ class Worker:
 
     def __init__(
         self,
-        spool: Any,
+        ctx: transitions.Context,
         handlers: dict[str, Callable[[Any], Any]] | None = None,
         jobs: int = 1,
         max_jobs: int | None = None,
@@ -248,11 +129,17 @@ class Worker:
         relayed: bool = False,
         pool_parent: int | None = None,
         processes: int = 1,
+        compact: Callable[[], dict[str, Any]] | None = None,
     ):
+        """``ctx``: the spool directory and its settings (a config.Settings,
+        reloaded in place on SIGHUP); ``compact``: folds done/ into the
+        index with those settings (automatic compaction; None: never)."""
         if jobs < 1:
             raise ValueError("jobs must be at least 1")
-        self.spool = spool
-        self.ctx: transitions.Context = spool.context()
+        self.ctx = ctx
+        self.dir = ctx.spool
+        self.settings = ctx.settings
+        self.compact = compact
         self.handlers = dict(handlers or {})
         self.jobs = jobs
         self.max_jobs = max_jobs
@@ -347,7 +234,7 @@ class Worker:
         self._next_compact_ran = 0
         self._next_compact_time = 0.0
         self._base_env = dict(os.environ)
-        self._base_env["SPOOLQ_SPOOL"] = spool.path
+        self._base_env["SPOOLQ_SPOOL"] = self.dir.root
 
     # -- control -----------------------------------------------------------
 
@@ -370,7 +257,7 @@ class Worker:
                 if handle.inline and thread_id != main:
                     # An in-process handler in a slot thread: raise into it.
                     # (In the main thread the signal handler raises itself.)
-                    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(ForcedStop))
+                    linux.raise_in_thread(thread_id, ForcedStop)
 
     def _on_signal(self, signum, frame) -> None:
         if signum == signal.SIGHUP:
@@ -416,13 +303,10 @@ class Worker:
     def reload(self) -> None:
         """Reread config.json (SIGHUP)."""
         try:
-            settings = config.load(self.spool.path)
+            self.settings.reload()  # the holder every reader shares (the spool's fsync flag follows it)
         except (config.ConfigError, OSError) as e:  # e.g. config.json made unreadable
             self.log.line(f"worker={self._wid} reload failed: {e}", 0)
             return
-        self.ctx.settings = settings
-        self.ctx._trusted = None
-        self.spool.dir.fsync = bool(settings["fsync"])
         if self.waker:
             self.waker.rescan_interval = self._rescan_interval()
             self.waker.wake()
@@ -441,9 +325,9 @@ class Worker:
 
     def run(self) -> int:
         """Recover, then run jobs; returns how many ran."""
-        sp = self.spool
-        sp.dir.open(create=True)
-        self.registration = Registration(sp.dir)
+        sp_dir = self.dir
+        sp_dir.open(create=True)
+        self.registration = Registration(sp_dir)
         self.registration.open()
         self.registration.start_flusher()
         old_handlers = {}
@@ -459,9 +343,7 @@ class Worker:
                 self._recover()
             if self.waker is None:
                 if self.watch:
-                    from .watcher import make_waker
-
-                    self.waker = make_waker(sp.dir, poll=self.poll, log=self.log)
+                    self.waker = make_waker(sp_dir, poll=self.poll, log=self.log)
                 else:
                     self.waker = Waker()
             self.waker.rescan_interval = self._rescan_interval()
@@ -499,7 +381,7 @@ class Worker:
                 self.waker.stop()
             for sig, old in old_handlers.items():
                 signal.signal(sig, old)
-            sp.dir.drop_spares()
+            sp_dir.drop_spares()
             close_all(self._spent_fds)
             if self._spare_outputs is not None:
                 close_all(list(self._spare_outputs))
@@ -510,8 +392,8 @@ class Worker:
     def _recover(self) -> None:
         try:
             report = recovery.recover(self.ctx)
-            removed = self.spool.dir.remove_tmp()
-            self.spool.dir.remove_stale_spares()
+            removed = self.dir.remove_tmp()
+            self.dir.remove_stale_spares()
         except Exception as e:  # recovery failing must not keep jobs from running
             self.log.line(f"worker={self._wid} recovery failed: {type(e).__name__}: {e}", 0)
             return
@@ -538,7 +420,7 @@ class Worker:
         return True
 
     def _dispatch(self) -> None:
-        sp = self.spool.dir
+        sp = self.dir
         waker = self.waker
         entries: list[Entry] = []
         read_ahead = ReadAhead(sp, entries)
@@ -636,8 +518,8 @@ class Worker:
         """Fold done/ into the index when it holds more than compact_after
         files. done/ is counted at most every COMPACT_CHECK_JOBS finished jobs
         or COMPACT_CHECK_SECONDS, so the check costs nothing per job."""
-        limit = int(self.ctx.settings["compact_after"])
-        if limit <= 0:
+        limit = int(self.settings["compact_after"])
+        if limit <= 0 or self.compact is None:
             return
         now = time.monotonic()
         if self.ran < self._next_compact_ran and now < self._next_compact_time:
@@ -645,10 +527,10 @@ class Worker:
         self._next_compact_ran = self.ran + max(1, min(COMPACT_CHECK_JOBS, limit // 10))
         self._next_compact_time = now + COMPACT_CHECK_SECONDS
         try:
-            if self.spool.dir.count("done") <= limit:
+            if self.dir.count("done") <= limit:
                 return
             self._commit()
-            result = self.spool.compact()
+            result = self.compact()
         except Exception as e:  # the index is history: never stop the worker for it
             self.log.line(f"worker={self._wid} compaction failed: {e}", 0)
             return
@@ -711,7 +593,7 @@ class Worker:
                       f"in {wait:.1f}s (a file written in tmp/ and renamed into new/ never waits)", 1)
 
     def _on_quarantine(self, name: str, reason: str) -> None:
-        self.log.line(f"worker={self._wid} job={name} outcome=dead state=dead error={_quote(reason)}", 0)
+        self.log.line(f"worker={self._wid} job={name} outcome=dead state=dead error={quoted(reason)}", 0)
 
     # -- one job -----------------------------------------------------------
 
@@ -820,7 +702,7 @@ class Worker:
         if now - self._spin_counted >= SPIN_RECOUNT_SECONDS:
             self._spin_counted = now
             try:
-                workers = max(self.processes, self.spool.dir.count("workers"))
+                workers = max(self.processes, self.dir.count("workers"))
                 load = float(self._test_load) if self._test_load else os.getloadavg()[0]
             except OSError:
                 workers, load = self._cpus, float("inf")  # unknown: do not poll
@@ -860,7 +742,7 @@ class Worker:
         after the group commit has synced the move)."""
         job_id, attempt = claimed.job_id, claimed.attempt  # (finish counts the attempt into the job)
         reg = self.registration
-        defer = self.spool.dir.fsync
+        defer = self.dir.fsync
         if out.not_started and self._put_back(claimed):
             return
         try:
@@ -878,7 +760,7 @@ class Worker:
             self._stopping = True
             where = claimed.held.folder  # cur/, unless the move was made and only its sync failed
             self.log.line(
-                f"worker={self._wid} job={job_id} error={_quote(f'cannot record the outcome: {type(e).__name__}: {e}')} "
+                f"worker={self._wid} job={job_id} error={quoted(f'cannot record the outcome: {type(e).__name__}: {e}')} "
                 + ("it stays in cur/ for recovery" if where == "cur" else f"it is in {where}/, not synced")
                 + "; the worker stops claiming",
                 0,
@@ -916,7 +798,7 @@ class Worker:
             self._forget_run(claimed.job_id)
             self.failed_to_record = True
             self._stopping = True
-            self.log.line(f"worker={self._wid} job={claimed.job_id} error={_quote(f'{type(e).__name__}: {e}')} "
+            self.log.line(f"worker={self._wid} job={claimed.job_id} error={quoted(f'{type(e).__name__}: {e}')} "
                           f"back in {claimed.held.folder}/ but not synced; the worker stops claiming", 0)
             return True
         self._forget_run(claimed.job_id)
@@ -930,7 +812,7 @@ class Worker:
         self._forget_run(claimed.job_id)
         self.ran += 1
         job = claimed.job
-        if self.spool.dir.fsync:
+        if self.dir.fsync:
             with self._uncommitted_lock:  # not the commit lock: a slot never waits for an fsync here
                 self._uncommitted.append((job, out, attempt, dest, due))
         else:
@@ -948,7 +830,7 @@ class Worker:
         then log the finishes they cover: an outcome is durable before anyone
         is told about it. Called by the dispatcher and by the committer thread."""
         with self._commit_lock:
-            if not self._uncommitted and not self._staged and not self._synced and not self.spool.dir.has_deferred:
+            if not self._uncommitted and not self._staged and not self._synced and not self.dir.has_deferred:
                 return
             if self._staged and time.monotonic() - self._staged_since >= staged_age:
                 self._sync_staged()
@@ -958,11 +840,11 @@ class Worker:
             with self._uncommitted_lock:
                 pending, self._uncommitted = self._uncommitted, []
             try:
-                self.spool.dir.sync_deferred()
+                self.dir.sync_deferred()
             except OSError as e:
                 self.failed_to_record = True
                 self._stopping = True
-                self.log.line(f"worker={self._wid} error={_quote(f'cannot sync finished jobs: {e}')} the worker stops claiming", 0)
+                self.log.line(f"worker={self._wid} error={quoted(f'cannot sync finished jobs: {e}')} the worker stops claiming", 0)
                 return
         for item in pending:
             self._log_outcome(*item)
@@ -1003,7 +885,7 @@ class Worker:
         if not staged:
             return
         try:
-            self.spool.dir.sync_data([claimed.held.staged[1] for claimed, *_ in staged])
+            self.dir.sync_data([claimed.held.staged[1] for claimed, *_ in staged])
         except BaseException as e:
             for item in staged:
                 self._cannot_record(item, f"cannot sync finished jobs: {type(e).__name__}: {e}")
@@ -1045,7 +927,7 @@ class Worker:
         claimed.held.release()
         self.failed_to_record = True
         self._stopping = True
-        self.log.line(f"worker={self._wid} job={claimed.job_id} error={_quote(why)} "
+        self.log.line(f"worker={self._wid} job={claimed.job_id} error={quoted(why)} "
                       "it stays in cur/ for recovery; the worker stops claiming", 0)
 
     def _committer(self, stop: threading.Event) -> None:
@@ -1067,7 +949,7 @@ class Worker:
                         self._sync_staged()
                 finally:
                     wanted.clear()
-            sp = self.spool.dir
+            sp = self.dir
             # Outcomes may wait with nothing deferred: a slot's move that
             # another commit synced just before the slot listed its outcome.
             now = time.monotonic()
@@ -1087,7 +969,7 @@ class Worker:
             env.update(extra)
         env["SPOOLQ_JOB_ID"] = job["id"]
         env["SPOOLQ_ATTEMPT"] = str(attempt)
-        env["SPOOLQ_SPOOL"] = self.spool.path
+        env["SPOOLQ_SPOOL"] = self.dir.root
         env["SPOOLQ_WORKER"] = self.registration.worker_id
         return env
 
@@ -1107,5 +989,5 @@ class Worker:
         if due is not None:
             parts.append(f"retry_in={max(0.0, due - time.time()):.1f}s")
         if out.error:
-            parts.append(f"error={_quote(out.error)}")
+            parts.append(f"error={quoted(out.error)}")
         self.log.line(" ".join(parts), 0 if dest == "dead" else 1, logging.WARNING if dest == "failed" else None)

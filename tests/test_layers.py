@@ -1,0 +1,101 @@
+"""The package's import graph: modules in layers, each importing only from
+the layers below it, so there is no circle and no upward import; every
+module says in its first docstring line what it owns.
+
+``LAYERS`` is the source of truth (``contrib/import-graph`` reads it)."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "spoolq"
+
+# Bottom first. A module imports only from modules of lower layers (at
+# module level or in a function alike); modules of one layer do not import
+# each other.
+LAYERS = [
+    ["errors", "ids", "linux"],  # leaves: import nothing from spoolq
+    ["procs", "record"],
+    ["config", "protocol"],
+    ["output", "waker"],
+    ["registry", "runner", "watcher"],
+    ["index", "transitions"],
+    ["compact", "recovery"],
+    ["worker"],
+    ["pool"],
+    ["spool"],  # the facade: Spool.work is the only way to run workers
+    ["bench", "metrics", "testing"],
+    ["cli"],
+    ["entry"],
+    ["__init__", "__main__"],
+]
+
+
+def modules() -> list[str]:
+    return sorted(p.stem for p in PACKAGE.glob("*.py"))
+
+
+def imports(module: str) -> set[str]:
+    """The spoolq modules ``module`` imports, anywhere in its code."""
+    tree = ast.parse((PACKAGE / f"{module}.py").read_text())
+    found = set()
+    known = set(modules())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                parts = alias.name.split(".")
+                if parts[0] == "spoolq":
+                    found.add(parts[1] if len(parts) > 1 else "__init__")
+        elif isinstance(node, ast.ImportFrom):
+            if node.level == 0 and not (node.module or "").startswith("spoolq"):
+                continue
+            if node.level > 1:
+                raise AssertionError(f"{module}: an import from above the package")
+            path = (node.module or "").split(".")
+            if node.level == 0:
+                path = path[1:]  # drop "spoolq"
+            if path and path[0]:
+                found.add(path[0])
+            else:  # from . import x, y: the modules x, y (or names of __init__)
+                for alias in node.names:
+                    found.add(alias.name if alias.name in known else "__init__")
+    found.discard(module)
+    return found
+
+
+def layer_of() -> dict[str, int]:
+    return {m: i for i, layer in enumerate(LAYERS) for m in layer}
+
+
+def test_every_module_is_in_a_layer_once():
+    listed = [m for layer in LAYERS for m in layer]
+    assert len(listed) == len(set(listed)), "a module is listed twice"
+    assert sorted(listed) == modules(), "LAYERS must list every module of spoolq/, and only those"
+
+
+def test_imports_only_point_down():
+    layers = layer_of()
+    upward = [f"{m} (layer {layers[m]}) imports {i} (layer {layers[i]})"
+              for m in modules() for i in sorted(imports(m)) if layers[i] >= layers[m]]
+    assert upward == []
+
+
+def test_the_leaves_import_nothing_from_spoolq():
+    for module in LAYERS[0]:
+        assert imports(module) == set(), module
+
+
+def test_every_module_says_what_it_owns():
+    for module in modules():
+        doc = ast.get_docstring(ast.parse((PACKAGE / f"{module}.py").read_text()))
+        assert doc and doc.strip().splitlines()[0].strip(), f"{module}.py has no docstring saying what it owns"
+
+
+def test_the_import_graph_script_agrees():
+    proc = subprocess.run([sys.executable, str(ROOT / "contrib" / "import-graph")], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "spool -> worker" in proc.stdout and "layer 0: errors ids linux" in proc.stdout
