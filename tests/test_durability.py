@@ -49,6 +49,7 @@ def _trace(spool: SpoolFixture, *args: str, input: str | None = None, command: l
     pending: dict[str, Call] = {}
     for i, line in enumerate(log.read_text().splitlines()):
         pid, _, rest = line.partition(" ")
+        rest = rest.lstrip()  # strace pads a short pid with spaces
         resumed = re.match(r"<\.\.\. (\w+) resumed>", rest)
         if resumed:
             call = pending.pop(pid, None)
