@@ -295,6 +295,14 @@ def parse_sized(data: bytes, job_id: str, limit: int) -> dict:
     return job
 
 
+
+def _json_problem(e: json.JSONDecodeError) -> str:
+    """The parser's complaint and where, without the character offset:
+    'Expecting value at line 1 column 5', 'Unterminated string starting at
+    line 1 column 7' (whose message already ends in 'at')."""
+    where = f"line {e.lineno} column {e.colno}"
+    return f"{e.msg} {where}" if e.msg.endswith(" at") else f"{e.msg} at {where}"
+
 def parse(data: bytes, job_id: str) -> dict:
     """Parse a job file's bytes; the file name's ``job_id`` wins over the
     ``id`` field (which must still be valid when present)."""
@@ -312,7 +320,7 @@ def parse(data: bytes, job_id: str) -> dict:
     except json.JSONDecodeError as e:
         # Only an object can become a job: anything else is wrong from its first byte.
         cut = text.lstrip().startswith("{")
-        raise (Incomplete if cut else InvalidJob)(f"not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+        raise (Incomplete if cut else InvalidJob)(f"not valid JSON: {_json_problem(e)}") from None
     except ValueError as e:  # NaN, numbers too large to convert, nesting
         raise InvalidJob(f"not valid JSON: {e}") from None
     if not isinstance(job, dict):

@@ -442,3 +442,13 @@ def test_runs_dropped_earlier_are_added_to():
     job = {"command": "true", "history": [_run(i, 500) for i in range(1, 6)], "history_dropped": 7}
     back = json.loads(fitted(job, 1200))
     assert len(back["history"]) < 5 and back["history_dropped"] == 7 + 5 - len(back["history"])
+
+
+@pytest.mark.parametrize("text, reason", [
+    ('{"command": "x', "not valid JSON: Unterminated string starting at line 1 column 13"),
+    ('{"command": }', "not valid JSON: Expecting value at line 1 column 13"),
+])
+def test_a_json_problem_is_said_once_with_where(text, reason):
+    with pytest.raises(InvalidJob) as e:
+        record.parse(text.encode(), "x")
+    assert str(e.value) == reason
