@@ -207,6 +207,13 @@ def enqueue(ctx, args, use_argv, kind, payload, job_json, jsonl, job_id, max_att
         use_argv = True  # `spoolq enqueue make report`: a program and its arguments
         if args[0].lstrip().startswith('{"'):
             fail("the command looks like a JSON job object; give it with --json", 2)
+        if any(c.isspace() for c in args[0]):
+            # `spoolq enqueue 'make report' --in 5m`: a quoted shell command
+            # with words after it, most likely options given too late. As an
+            # argv job it would fail at every run; --argv still allows it.
+            rest = " ".join(args[1:])
+            fail(f"{args[0]!r} is a quoted shell command, yet more words follow it ({rest!r}): options go before "
+                 "the command, and a program's arguments are given unquoted (or use --argv)", 2)
     forms = [bool(args) and not use_argv, use_argv, kind is not None, job_json is not None, jsonl is not None]
     if sum(forms) != 1:
         fail("give exactly one of: a command (a shell command, or PROG ARG...), --kind K, --json JSON, --jsonl FILE", 2)

@@ -235,3 +235,14 @@ def test_spoolq_drop_records_the_directory_it_ran_in(fast_spool, tmp_path):
     assert fast_spool.record("new", job_id)["cwd"] == str(here)
     fast_spool.work(cwd=str(tmp_path))
     assert fast_spool.show(job_id)["stdout"] == f"{here}\n"
+
+
+def test_a_quoted_command_followed_by_more_words_is_refused(spool):
+    """`spoolq enqueue 'echo a' --in 5m`: options given after a quoted shell
+    command would become argv words of a job that fails at every run."""
+    proc = spool.run("enqueue", "echo a", "--in", "5m", check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "'echo a' is a quoted shell command" in proc.stderr and "options go before the command" in proc.stderr
+    assert spool.names("new") == []
+    job_id = spool.enqueue("--argv", "my program", "arg")  # explicitly an argv job: allowed
+    assert spool.record("new", job_id)["argv"] == ["my program", "arg"]
