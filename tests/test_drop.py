@@ -185,3 +185,9 @@ def test_many_dropped_files_with_a_past_run_at_all_run_in_one_drain(fast_spool):
         s.drop(f"past-{i:03d}.json", json.dumps({"command": "true", "run_at": "2001-01-01T00:00:00Z"}))
     s.work()
     assert len(s.ids("done")) == 300 and s.ids("new") == []
+
+
+@pytest.mark.parametrize("flag", ["-h", "--help"])
+def test_spoolq_drop_help_prints_usage_and_exits_0(flag):
+    proc = subprocess.run(["sh", str(DROP), flag], capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: spoolq-drop"), proc
