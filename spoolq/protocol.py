@@ -1124,7 +1124,7 @@ class Held:
         """Write the record into a spare file we hold locked, fsync it, and
         swap it with our name in one RENAME_EXCHANGE: the name always holds a
         whole, locked record, and no inode is created or freed (on ext4
-        without a journal a create after many deletes costs ~1 ms). The old
+        without a journal a create after many deletes is slow). The old
         inode becomes the next spare when it is plainly ours."""
         filled = self._fill_spare(data)
         if filled is None:

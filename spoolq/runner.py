@@ -217,7 +217,7 @@ def _spawn(argv: list[str], env: dict[str, str], cwd: str | None, fds: tuple[int
     """Start a job's process as the leader of a new session with ``fds`` as
     its stdin, stdout and stderr, closing ``close`` and every close-on-exec
     descriptor. posix_spawn (a vfork and exec, without Popen's Python-side
-    set-up) is ~0.1 ms cheaper per job here, but it keeps the GIL until the
+    set-up) is the cheaper of the two per job, but it keeps the GIL until the
     child has exec'd, so with other threads running jobs (``threaded``)
     Popen, which lets the GIL go, is faster. Popen is also the way for a
     ``cwd`` other than the worker's own, which os.posix_spawn cannot set, and for closing a descriptor
@@ -335,7 +335,7 @@ def _next_trim(wait: float, grown: int) -> float:
     """The wait before the next look at a job's output, after it wrote
     ``grown`` bytes during the last ``wait``: longer (up to TRIM_EVERY)
     while it writes little, short enough for ~TRIM_ABOVE a look while it
-    writes fast (a job printing `yes` writes a gigabyte a second here)."""
+    writes fast (a job printing `yes` can write a gigabyte a second)."""
     if grown <= TRIM_ABOVE // 4:
         return min(TRIM_EVERY, wait * 2)
     return max(TRIM_FIRST, min(TRIM_EVERY, wait * TRIM_ABOVE / grown))
