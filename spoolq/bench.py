@@ -19,9 +19,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .linux import syncfs
+from .output import Log
+from .pool import run_workers
 from .protocol import refuse_non_directory
 from .record import parse_time
 from .spool import Spool
+from .watcher import make_waker
 from .worker import SCAN_LIMIT
 
 SPOOLQ_CMD = [sys.executable, "-m", "spoolq"]
@@ -297,10 +300,8 @@ class Bench:
         stall events for up to half a second; "new" is spoolq's watch."""
         spool = self.fresh_spool(f"latency-{scope}-j{jobs}")
         spool.config_set("fsync", False)  # pickup is measured without fsync
-        env = dict(os.environ, SPOOLQ_WATCH_SCOPE=scope)
         log = open(os.path.join(self.root, f"watch-{scope}-{jobs}.log"), "w")
-        worker = subprocess.Popen(SPOOLQ_CMD + ["-s", spool.path, "work", "--watch", "-q", "-j", str(jobs)],
-                                  env=env, stderr=log)
+        worker = subprocess.Popen([sys.executable, "-c", _WATCHER, spool.path, scope, str(jobs)], stderr=log)
         try:
             deadline = time.monotonic() + 30
             while not spool.status()["workers"]:  # wait until it watches
@@ -637,6 +638,11 @@ ran = spool.work(handlers=NOOP_HANDLERS, signals=False)
 seconds = time.perf_counter() - start
 print(ran, seconds, peak_rss_kb())
 """
+_WATCHER = """
+import sys
+from spoolq.bench import watch
+sys.exit(watch(sys.argv[1], sys.argv[2], int(sys.argv[3])))
+"""
 _SQLITE_WORKER = """
 import sqlite3, sys
 from spoolq.bench import sqlite_drain
@@ -646,6 +652,25 @@ print("ready", flush=True)
 sys.stdin.readline()
 print(sqlite_drain(db))
 """
+
+
+def watch(path: str, scope: str, jobs: int) -> int:
+    """Run ``spoolq work --watch -q -j JOBS`` on ``path`` as the CLI does,
+    but with the watch ``scope`` given (see watcher.make_waker): the other
+    scopes are for pickup_latency's comparison, not an option of the CLI.
+    Returns the exit status."""
+    log = Log(level=0)
+
+    def make_worker(**kw: Any) -> Any:
+        spool = Spool(path)
+        return spool._worker(watch=True, log=log, waker=make_waker(spool.dir, None, log, scope=scope), **kw)
+
+    if jobs == 1:
+        worker = make_worker(jobs=1)
+        worker.run()
+        return 0 if not worker.failed_to_record else 1
+    _, clean = run_workers(make_worker, jobs, None, log)
+    return 0 if clean else 1
 
 
 def _run_together(commands: list[list[str]]) -> tuple[float, list[str]]:

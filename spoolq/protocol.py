@@ -24,7 +24,7 @@ import stat
 import threading
 import time
 import zlib
-from typing import Iterator, NamedTuple
+from typing import Callable, Iterator, NamedTuple
 
 from . import linux, procs
 from .errors import Busy, Exists, Gone, NoSuchGroup, NotASpool, NotRegular, SpoolError  # noqa: F401 - importable from here too
@@ -229,26 +229,9 @@ class SpoolDir:
         self._fds: dict[str, int] = {}
         self._open_lock = threading.Lock()
         self.shared = False  # a group-shared spool: files 0660, folders 0770+setgid
-        self._spares: list[tuple[str, int]] = []  # locked dot-files in cur/ to rewrite into
-        self._retired: list[tuple[str, int]] = []  # old inodes waiting for a sync before reuse
-        # Each is an open descriptor: kept to a sixteenth and a quarter of the
-        # open-file limit (64 and 256 under the usual 1024), so that a low
-        # limit leaves room for the jobs' own files.
-        limit = procs.open_file_limit()
-        self._spares_max = max(1, min(64, limit // 16))
-        self._retired_max = max(1, min(256, limit // 4))
-        # Folders renamed into/out of whose fsync was deferred (group commit):
-        # destinations are synced before sources, so a power cut can leave a
-        # job in two folders (run again) but never in none. (Where renames are
-        # journaled, as on ext4 by default, a rename reaches the disk whole
-        # anyway. Without a journal the order is all there is, and the
-        # kernel's own writeback, or a move made by another thread between
-        # the two fsyncs, can still undo it: such a filesystem needs fsck after
-        # a power cut, which puts a file found in no folder in lost+found.)
-        self._unsynced_dst: set[str] = set()
-        self._unsynced_src: set[str] = set()
-        self.unsynced_since = 0.0  # monotonic time of the oldest deferred change
         self.slow_reads = 0  # job reads that took longer than SLOW_READ_NS (see Held.read)
+        self.syncs = GroupSync(self)  # deferred folder syncs and the spare files
+        self.reasons = DeadReasons(self)  # why each file in dead/ is there
 
     # -- layout ------------------------------------------------------------
 
@@ -357,164 +340,47 @@ class SpoolDir:
         self.drop_spares()
         self._close_fds()
 
-    # -- spare files: durable rewrites without creating or freeing inodes --
-
-    def take_spare(self) -> tuple[str, int] | None:
-        """A locked file in cur/ under a dot-name (ignored by everyone), to
-        write a record into and swap in. Creates one when none is left (in
-        tmp/, locked, then renamed into cur/, so it is never seen unlocked);
-        None where RENAME_EXCHANGE is not available or creating fails."""
-        if not _exchange_ok or _renameat2_state == -1:
-            return None
-        with self._open_lock:
-            if self._spares:
-                return self._spares.pop()
-        tmp_dir = self.fd("tmp")
-        tmp = self.tmp_name("spare")
-        try:
-            fd = _open_held(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, self.file_mode, dir_fd=tmp_dir)
-        except OSError:
-            return None
-        name = ".spare." + tmp[len("spare."):]
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            if self.shared:
-                os.fchmod(fd, self.file_mode)
-            os.rename(tmp, name, src_dir_fd=tmp_dir, dst_dir_fd=self.fd("cur"))
-        except OSError:
-            _close_held(fd)
-            _unlink_quietly(tmp_dir, tmp)
-            return None
-        return name, fd
-
-    def give_spare(self, name: str, fd: int) -> None:
-        with self._open_lock:
-            if len(self._spares) < self._spares_max:
-                self._spares.append((name, fd))
-                return
-        self._discard_spare(name, fd)
-
-    def _discard_spare(self, name: str, fd: int) -> None:
-        _unlink_quietly(self.fd("cur"), name)
-        _close_held(fd)
-
-    def retire_inode(self, name: str, fd: int) -> None:
-        """An old record's inode, now under a spare name in cur/, to reuse.
-        With fsync on it may only be overwritten once the folders that named
-        it are synced (else a power cut could leave its old name pointing at
-        another job's record): it waits for ``sync_deferred``."""
-        if not self.fsync:
-            self.give_spare(name, fd)
-            return
-        with self._open_lock:
-            if len(self._retired) < self._retired_max:
-                if not self.has_deferred:
-                    self.unsynced_since = time.monotonic()
-                self._retired.append((name, fd))
-                return
-        self._discard_spare(name, fd)
+    # -- group commit and spare files (see GroupSync) ---------------------
 
     def drop_spares(self) -> None:
         """Remove this process's spare files (a clean exit)."""
-        with self._open_lock:
-            spares, self._spares = self._spares + self._retired, []
-            self._retired = []
-        for name, fd in spares:
-            if self._fds:
-                _unlink_quietly(self._fds["cur"], name)
-            _close_held(fd)
+        self.syncs.drop_spares()
 
     def remove_stale_spares(self) -> int:
-        """Remove spare files that dead processes left in cur/ (and staged
-        records whose job is no longer there for recovery to complete), and
-        the half-made registrations (dot-files) a crash can leave in workers/."""
-        removed = 0
-        with os.scandir(self.fd("cur")) as it:
-            listed = [e.name for e in it]
-        jobs = {name for name in listed if not name.startswith(".")}
-        names = [name for name in listed if name.startswith(".spare.")
-                 or (name.startswith(STAGED_PREFIX) and staged_job_name(name) not in jobs)]
-        for name in names:
-            if self.is_locked("cur", name) is False:
-                _unlink_quietly(self.fd("cur"), name)
-                removed += 1
-        if "workers" in self._fds:
-            old = time.time() - 60
-            with os.scandir(self.fd("workers")) as it:
-                stale = [e.name for e in it if e.name.startswith(".") and _changed_before(e, old)]
-            for name in stale:
-                if self.is_locked("workers", name) is False:
-                    _unlink_quietly(self.fd("workers"), name)
-                    removed += 1
-        return removed
+        """Remove what dead processes left of their spare and staged files."""
+        return self.syncs.remove_stale_spares()
 
-    def remove_stale_reasons(self) -> int:
-        """Remove the reasons kept (see note_reason) for dead files that
-        were moved away by hand: one listing of dead/. Only those a minute
-        old: one written just now may be for a file that is moving in."""
-        old = time.time() - 60
-        with os.scandir(self.fd("dead")) as it:
-            listed = list(it)
-        files = {e.name for e in listed if not e.name.startswith(".")}
-        stale = [e.name for e in listed if e.name.startswith(REASON_PREFIX)
-                 and e.name[len(REASON_PREFIX):] not in files and _changed_before(e, old)]
-        for name in stale:
-            _unlink_quietly(self.fd("dead"), name)
-        return len(stale)
+    def sync_data(self, fds: list[int]) -> None:
+        """Make the staged records written to ``fds`` durable."""
+        self.syncs.sync_data(fds)
+
+    def sync_deferred(self) -> None:
+        """fsync the folders of deferred moves: destinations, then sources."""
+        self.syncs.sync_deferred()
+
+    @property
+    def has_deferred(self) -> bool:
+        return self.syncs.has_deferred
+
+    @property
+    def unsynced_since(self) -> float:
+        """Monotonic time of the oldest change whose sync is deferred."""
+        return self.syncs.unsynced_since
+
+    # -- why a file is in dead/ (see DeadReasons) ---------------------------
 
     def note_reason(self, name: str, reason: str, st: os.stat_result | None = None) -> None:
-        """Keep why ``dead/name`` (the file ``st`` is of) went to dead/, so
-        that it is still told after the file is changed by hand. The file's
-        own bytes are never touched: the reason goes in a dot-file beside it,
-        naming the file's inode, so that another file given the name later
-        does not inherit it. Written after the move and not synced: without
-        it (a crash in between, a full disk) the reason is worked out again
-        from the file, as it can be until the file is changed."""
-        dead_dir, tmp_dir = self.fd("dead"), self.fd("tmp")
-        tmp = self.tmp_name("reason")
-        try:
-            if st is None:
-                st = os.stat(name, dir_fd=dead_dir, follow_symlinks=False)
-            data = f"{_identity(dead_dir, name, st)}\n{reason}".encode("utf-8", "surrogatepass")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, self.file_mode, dir_fd=tmp_dir)
-            try:
-                if self.shared:
-                    os.fchmod(fd, self.file_mode)
-                _write_all(fd, data)
-            finally:
-                os.close(fd)
-            os.rename(tmp, REASON_PREFIX + name, src_dir_fd=tmp_dir, dst_dir_fd=dead_dir)
-        except OSError:
-            _unlink_quietly(tmp_dir, tmp)
+        self.reasons.note(name, reason, st)
 
     def noted_reason(self, name: str) -> str | None:
-        """The reason kept for ``dead/name`` (see note_reason), if one was
-        kept for the file that has the name now."""
-        try:
-            st = os.stat(name, dir_fd=self.fd("dead"), follow_symlinks=False)
-            data, _ = self.read("dead", REASON_PREFIX + name, 1 << 16)
-        except (OSError, NotRegular):
-            return None
-        head, newline, reason = data.decode("utf-8", "surrogatepass").partition("\n")
-        if not newline or head != _identity(self.fd("dead"), name, st):
-            return None
-        return reason
+        return self.reasons.noted(name)
+
+    def remove_stale_reasons(self) -> int:
+        return self.reasons.remove_stale()
 
     @property
     def file_mode(self) -> int:
         return 0o660 if self.shared else 0o600
-
-    def sync_data(self, fds: list[int]) -> None:
-        """Make the staged records written to ``fds`` durable: an fdatasync
-        for one, else one syncfs of the spool's filesystem for them all (a
-        few hundred microseconds, against as much for each fdatasync; it also
-        flushes whatever else is dirty on that filesystem)."""
-        if not self.fsync or not fds:
-            return
-        if len(fds) == 1:
-            os.fdatasync(fds[0])
-        else:
-            linux.syncfs(self.fd("cur"))
 
     def staged_records(self) -> dict[str, list[str]]:
         """The staged records in cur/ (see ``Held.stage``), by the name of
@@ -531,38 +397,6 @@ class SpoolDir:
     def sync_dir(self, folder: str) -> None:
         if self.fsync:
             os.fsync(self.fd(folder))
-
-    def sync_deferred(self) -> None:
-        """fsync the folders of deferred moves: destinations, then sources."""
-        with self._open_lock:
-            dst, src = self._unsynced_dst, self._unsynced_src
-            self._unsynced_dst, self._unsynced_src = set(), set()
-        with self._open_lock:
-            retired, self._retired = self._retired, []
-        try:
-            for folder in sorted(dst):
-                os.fsync(self.fd(folder))
-            for folder in sorted(src - dst):
-                os.fsync(self.fd(folder))
-            for folder in sorted(src & dst):
-                os.fsync(self.fd(folder))
-            if retired:
-                # A retired inode was named in new/ or failed/ (until its claim)
-                # and in cur/ (until the exchange): once those folders are on
-                # disk it is named nowhere else, and may be overwritten.
-                for folder in ("new", "failed", "cur"):
-                    if folder not in src and folder not in dst:
-                        os.fsync(self.fd(folder))
-        except BaseException:
-            for name, fd in retired:
-                self._discard_spare(name, fd)
-            raise
-        for name, fd in retired:
-            self.give_spare(name, fd)
-
-    @property
-    def has_deferred(self) -> bool:
-        return bool(self._unsynced_dst or self._unsynced_src or self._retired)
 
     def tmp_name(self, base: str) -> str:
         """A name in tmp/ that no other writer uses: this process's tag and
@@ -716,84 +550,12 @@ class SpoolDir:
             os.close(fd)
 
     def scan(self, now_ns: int, limit: int, states: tuple[str, ...] = WAITING) -> Scan:
-        """List the waiting folders once and return the due files in claim
-        order: by (due time = mtime, name). Memory stays bounded by ``limit``
-        however many files wait; ``truncated`` says a further scan is needed."""
-        if limit < 1:
-            raise ValueError("a scan keeps at least one entry")
-        due: list[Entry] = []
-        next_due: int | None = None
-        truncated = False
-        cap = limit + max(1, limit // 4)  # memory stays near `limit` entries whatever waits
-        # Once `due` has overflowed, only entries that sort before the last
-        # one kept can still make the cut: most of a large backlog is turned
-        # away by one integer comparison instead of being kept and sorted.
-        cut_mtime: int | None = None
-        cut_rest = ("", "")  # (name, state) of the last entry kept
-        # A scan creates an object or two per waiting file, none of which can
-        # form a cycle: with a million waiting, the cyclic collector would
-        # only walk the kept entries again and again (a quarter of the time
-        # of a pass over a million entries). This pauses it process-wide,
-        # handler threads included, for one pass.
-        collecting = gc.isenabled()
-        gc.disable()
-        try:
-            for state in states:
-                dir_fd = self.fd(state)
-                with os.scandir(dir_fd) as it:
-                    for entry in it:
-                        name = entry.name
-                        if name[0] == ".":
-                            continue
-                        try:
-                            st = entry.stat(follow_symlinks=False)
-                        except FileNotFoundError:
-                            continue
-                        mtime = st.st_mtime_ns
-                        if mtime > now_ns:
-                            if next_due is None or mtime < next_due:
-                                next_due = mtime
-                            continue
-                        if cut_mtime is not None and (
-                            mtime > cut_mtime or (mtime == cut_mtime and (name, state) >= cut_rest)
-                        ):
-                            continue
-                        due.append(Entry(mtime, name, state, st.st_mode))
-                        if len(due) >= cap:
-                            due.sort()
-                            del due[limit:]
-                            last = due[-1]
-                            cut_mtime, cut_rest = last.due_ns, (last.name, last.state)
-                            truncated = True
-        finally:
-            if collecting:
-                gc.enable()
-        due.sort()
-        if len(due) > limit:
-            del due[limit:]
-            truncated = True
-        return Scan(due, next_due, truncated)
+        """The due files of ``states`` in claim order (see scan_due)."""
+        return scan_due(self.fd, now_ns, limit, states)
 
     def prefetch(self, entries: list[Entry]) -> None:
-        """Ask the kernel to start reading these waiting files into memory
-        (``POSIX_FADV_WILLNEED`` returns at once; the reads run on their own),
-        so that claiming them later does not wait for the disk one file at
-        a time. Only for regular files the scan saw; opened without following
-        links or blocking, read by nobody, closed at once, errors ignored."""
-        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-        for entry in entries:
-            if not stat.S_ISREG(entry.mode):
-                continue
-            try:
-                fd = os.open(entry.name, flags, dir_fd=self.fd(entry.state))
-            except OSError:
-                continue
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
+        """Start reading these waiting files into memory (see prefetch)."""
+        prefetch(self.fd, entries)
 
     # -- holding files -----------------------------------------------------
 
@@ -958,6 +720,320 @@ class SpoolDir:
                 os.close(dir_fd)
 
 
+# -- scanning the waiting folders
+
+def scan_due(dir_of: Callable[[str], int], now_ns: int, limit: int, states: tuple[str, ...] = WAITING) -> Scan:
+    """List the waiting folders once (``dir_of(folder)`` is its descriptor) and return
+    the due files in claim order: by (due time = mtime, name). Memory stays bounded by ``limit``
+    however many files wait; ``truncated`` says a further scan is needed."""
+    if limit < 1:
+        raise ValueError("a scan keeps at least one entry")
+    due: list[Entry] = []
+    next_due: int | None = None
+    truncated = False
+    cap = limit + max(1, limit // 4)  # memory stays near `limit` entries whatever waits
+    # Once `due` has overflowed, only entries that sort before the last
+    # one kept can still make the cut: most of a large backlog is turned
+    # away by one integer comparison instead of being kept and sorted.
+    cut_mtime: int | None = None
+    cut_rest = ("", "")  # (name, state) of the last entry kept
+    # A scan creates an object or two per waiting file, none of which can
+    # form a cycle: with a million waiting, the cyclic collector would
+    # only walk the kept entries again and again (a quarter of the time
+    # of a pass over a million entries). This pauses it process-wide,
+    # handler threads included, for one pass.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        for state in states:
+            dir_fd = dir_of(state)
+            with os.scandir(dir_fd) as it:
+                for entry in it:
+                    name = entry.name
+                    if name[0] == ".":
+                        continue
+                    try:
+                        st = entry.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+                    mtime = st.st_mtime_ns
+                    if mtime > now_ns:
+                        if next_due is None or mtime < next_due:
+                            next_due = mtime
+                        continue
+                    if cut_mtime is not None and (
+                        mtime > cut_mtime or (mtime == cut_mtime and (name, state) >= cut_rest)
+                    ):
+                        continue
+                    due.append(Entry(mtime, name, state, st.st_mode))
+                    if len(due) >= cap:
+                        due.sort()
+                        del due[limit:]
+                        last = due[-1]
+                        cut_mtime, cut_rest = last.due_ns, (last.name, last.state)
+                        truncated = True
+    finally:
+        if collecting:
+            gc.enable()
+    due.sort()
+    if len(due) > limit:
+        del due[limit:]
+        truncated = True
+    return Scan(due, next_due, truncated)
+
+def prefetch(dir_of: Callable[[str], int], entries: list[Entry]) -> None:
+    """Ask the kernel to start reading these waiting files into memory
+    (``POSIX_FADV_WILLNEED`` returns at once; the reads run on their own),
+    so that claiming them later does not wait for the disk one file at
+    a time. Only for regular files the scan saw; opened without following
+    links or blocking, read by nobody, closed at once, errors ignored."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    for entry in entries:
+        if not stat.S_ISREG(entry.mode):
+            continue
+        try:
+            fd = os.open(entry.name, flags, dir_fd=dir_of(entry.state))
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
+class GroupSync:
+    """What group commit defers for one spool (SpoolDir.syncs): the folders
+    whose fsync after a move waits for the next commit, and the spare files
+    records are rewritten into (an old record's inode becomes a spare only
+    once the folders that named it are synced)."""
+
+    def __init__(self, spool: "SpoolDir"):
+        self.spool = spool
+        self._lock = threading.Lock()
+        self._spares: list[tuple[str, int]] = []  # locked dot-files in cur/ to rewrite into
+        self._retired: list[tuple[str, int]] = []  # old inodes waiting for a sync before reuse
+        # Each is an open descriptor: kept to a sixteenth and a quarter of the
+        # open-file limit (64 and 256 under the usual 1024), so that a low
+        # limit leaves room for the jobs' own files.
+        limit = procs.open_file_limit()
+        self._spares_max = max(1, min(64, limit // 16))
+        self._retired_max = max(1, min(256, limit // 4))
+        # Folders renamed into/out of whose fsync was deferred: destinations
+        # are synced before sources, so a power cut can leave a job in two
+        # folders (run again) but never in none. (Where renames are
+        # journaled, as on ext4 by default, a rename reaches the disk whole
+        # anyway. Without a journal the order is all there is, and the
+        # kernel's own writeback, or a move made by another thread between
+        # the two fsyncs, can still undo it: such a filesystem needs fsck after
+        # a power cut, which puts a file found in no folder in lost+found.)
+        self._unsynced_dst: set[str] = set()
+        self._unsynced_src: set[str] = set()
+        self.unsynced_since = 0.0  # monotonic time of the oldest deferred change
+
+    def defer(self, to_folder: str, from_folder: str) -> None:
+        """A move from ``from_folder`` to ``to_folder`` whose syncs wait for sync_deferred."""
+        with self._lock:
+            if not self.has_deferred:
+                self.unsynced_since = time.monotonic()
+            self._unsynced_dst.add(to_folder)
+            self._unsynced_src.add(from_folder)
+
+    def take_spare(self) -> tuple[str, int] | None:
+        """A locked file in cur/ under a dot-name (ignored by everyone), to
+        write a record into and swap in. Creates one when none is left (in
+        tmp/, locked, then renamed into cur/, so it is never seen unlocked);
+        None where RENAME_EXCHANGE is not available or creating fails."""
+        if not _exchange_ok or _renameat2_state == -1:
+            return None
+        with self._lock:
+            if self._spares:
+                return self._spares.pop()
+        tmp_dir = self.spool.fd("tmp")
+        tmp = self.spool.tmp_name("spare")
+        try:
+            fd = _open_held(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, self.spool.file_mode, dir_fd=tmp_dir)
+        except OSError:
+            return None
+        name = ".spare." + tmp[len("spare."):]
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if self.spool.shared:
+                os.fchmod(fd, self.spool.file_mode)
+            os.rename(tmp, name, src_dir_fd=tmp_dir, dst_dir_fd=self.spool.fd("cur"))
+        except OSError:
+            _close_held(fd)
+            _unlink_quietly(tmp_dir, tmp)
+            return None
+        return name, fd
+
+    def give_spare(self, name: str, fd: int) -> None:
+        with self._lock:
+            if len(self._spares) < self._spares_max:
+                self._spares.append((name, fd))
+                return
+        self._discard_spare(name, fd)
+
+    def _discard_spare(self, name: str, fd: int) -> None:
+        _unlink_quietly(self.spool.fd("cur"), name)
+        _close_held(fd)
+
+    def retire_inode(self, name: str, fd: int) -> None:
+        """An old record's inode, now under a spare name in cur/, to reuse.
+        With fsync on it may only be overwritten once the folders that named
+        it are synced (else a power cut could leave its old name pointing at
+        another job's record): it waits for ``sync_deferred``."""
+        if not self.spool.fsync:
+            self.give_spare(name, fd)
+            return
+        with self._lock:
+            if len(self._retired) < self._retired_max:
+                if not self.has_deferred:
+                    self.unsynced_since = time.monotonic()
+                self._retired.append((name, fd))
+                return
+        self._discard_spare(name, fd)
+
+    def drop_spares(self) -> None:
+        """Remove this process's spare files (a clean exit)."""
+        with self._lock:
+            spares, self._spares = self._spares + self._retired, []
+            self._retired = []
+        for name, fd in spares:
+            if self.spool._fds:
+                _unlink_quietly(self.spool._fds["cur"], name)
+            _close_held(fd)
+
+    def remove_stale_spares(self) -> int:
+        """Remove spare files that dead processes left in cur/ (and staged
+        records whose job is no longer there for recovery to complete), and
+        the half-made registrations (dot-files) a crash can leave in workers/."""
+        removed = 0
+        with os.scandir(self.spool.fd("cur")) as it:
+            listed = [e.name for e in it]
+        jobs = {name for name in listed if not name.startswith(".")}
+        names = [name for name in listed if name.startswith(".spare.")
+                 or (name.startswith(STAGED_PREFIX) and staged_job_name(name) not in jobs)]
+        for name in names:
+            if self.spool.is_locked("cur", name) is False:
+                _unlink_quietly(self.spool.fd("cur"), name)
+                removed += 1
+        if "workers" in self.spool._fds:
+            old = time.time() - 60
+            with os.scandir(self.spool.fd("workers")) as it:
+                stale = [e.name for e in it if e.name.startswith(".") and _changed_before(e, old)]
+            for name in stale:
+                if self.spool.is_locked("workers", name) is False:
+                    _unlink_quietly(self.spool.fd("workers"), name)
+                    removed += 1
+        return removed
+
+    def sync_data(self, fds: list[int]) -> None:
+        """Make the staged records written to ``fds`` durable: an fdatasync
+        for one, else one syncfs of the spool's filesystem for them all (a
+        few hundred microseconds, against as much for each fdatasync; it also
+        flushes whatever else is dirty on that filesystem)."""
+        if not self.spool.fsync or not fds:
+            return
+        if len(fds) == 1:
+            os.fdatasync(fds[0])
+        else:
+            linux.syncfs(self.spool.fd("cur"))
+
+    def sync_deferred(self) -> None:
+        """fsync the folders of deferred moves: destinations, then sources."""
+        with self._lock:
+            dst, src = self._unsynced_dst, self._unsynced_src
+            self._unsynced_dst, self._unsynced_src = set(), set()
+        with self._lock:
+            retired, self._retired = self._retired, []
+        try:
+            for folder in sorted(dst):
+                os.fsync(self.spool.fd(folder))
+            for folder in sorted(src - dst):
+                os.fsync(self.spool.fd(folder))
+            for folder in sorted(src & dst):
+                os.fsync(self.spool.fd(folder))
+            if retired:
+                # A retired inode was named in new/ or failed/ (until its claim)
+                # and in cur/ (until the exchange): once those folders are on
+                # disk it is named nowhere else, and may be overwritten.
+                for folder in ("new", "failed", "cur"):
+                    if folder not in src and folder not in dst:
+                        os.fsync(self.spool.fd(folder))
+        except BaseException:
+            for name, fd in retired:
+                self._discard_spare(name, fd)
+            raise
+        for name, fd in retired:
+            self.give_spare(name, fd)
+
+    @property
+    def has_deferred(self) -> bool:
+        return bool(self._unsynced_dst or self._unsynced_src or self._retired)
+
+
+class DeadReasons:
+    """Why each file in dead/ is there (SpoolDir.reasons), kept in a
+    dot-file beside it so the file's own bytes are never touched."""
+
+    def __init__(self, spool: "SpoolDir"):
+        self.spool = spool
+
+    def remove_stale(self) -> int:
+        """Remove the reasons kept (see note) for dead files that
+        were moved away by hand: one listing of dead/. Only those a minute
+        old: one written just now may be for a file that is moving in."""
+        old = time.time() - 60
+        with os.scandir(self.spool.fd("dead")) as it:
+            listed = list(it)
+        files = {e.name for e in listed if not e.name.startswith(".")}
+        stale = [e.name for e in listed if e.name.startswith(REASON_PREFIX)
+                 and e.name[len(REASON_PREFIX):] not in files and _changed_before(e, old)]
+        for name in stale:
+            _unlink_quietly(self.spool.fd("dead"), name)
+        return len(stale)
+
+    def note(self, name: str, reason: str, st: os.stat_result | None = None) -> None:
+        """Keep why ``dead/name`` (the file ``st`` is of) went to dead/, so
+        that it is still told after the file is changed by hand. The file's
+        own bytes are never touched: the reason goes in a dot-file beside it,
+        naming the file's inode, so that another file given the name later
+        does not inherit it. Written after the move and not synced: without
+        it (a crash in between, a full disk) the reason is worked out again
+        from the file, as it can be until the file is changed."""
+        dead_dir, tmp_dir = self.spool.fd("dead"), self.spool.fd("tmp")
+        tmp = self.spool.tmp_name("reason")
+        try:
+            if st is None:
+                st = os.stat(name, dir_fd=dead_dir, follow_symlinks=False)
+            data = f"{_identity(dead_dir, name, st)}\n{reason}".encode("utf-8", "surrogatepass")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, self.spool.file_mode, dir_fd=tmp_dir)
+            try:
+                if self.spool.shared:
+                    os.fchmod(fd, self.spool.file_mode)
+                _write_all(fd, data)
+            finally:
+                os.close(fd)
+            os.rename(tmp, REASON_PREFIX + name, src_dir_fd=tmp_dir, dst_dir_fd=dead_dir)
+        except OSError:
+            _unlink_quietly(tmp_dir, tmp)
+
+    def noted(self, name: str) -> str | None:
+        """The reason kept for ``dead/name`` (see note), if one was
+        kept for the file that has the name now."""
+        try:
+            st = os.stat(name, dir_fd=self.spool.fd("dead"), follow_symlinks=False)
+            data, _ = self.spool.read("dead", REASON_PREFIX + name, 1 << 16)
+        except (OSError, NotRegular):
+            return None
+        head, newline, reason = data.decode("utf-8", "surrogatepass").partition("\n")
+        if not newline or head != _identity(self.spool.fd("dead"), name, st):
+            return None
+        return reason
+
+
 class Held:
     """A job file held under an exclusive flock by this process.
 
@@ -1048,7 +1124,7 @@ class Held:
         """Write the record into a spare file we hold locked, fsync it, and
         swap it with our name in one RENAME_EXCHANGE: the name always holds a
         whole, locked record, and no inode is created or freed (on ext4
-        without a journal a create after many deletes costs ~1 ms). The old
+        without a journal a create after many deletes is slow). The old
         inode becomes the next spare when it is plainly ours."""
         filled = self._fill_spare(data)
         if filled is None:
@@ -1058,10 +1134,10 @@ class Held:
             if sync:
                 os.fdatasync(fd)
         except BaseException:
-            self.spool._discard_spare(name, fd)
+            self.spool.syncs._discard_spare(name, fd)
             raise
         if not self._swap_in(name, fd, data):
-            self.spool.give_spare(name, fd)
+            self.spool.syncs.give_spare(name, fd)
             return False
         return True
 
@@ -1084,7 +1160,7 @@ class Held:
         try:
             os.rename(name, staged, src_dir_fd=cur, dst_dir_fd=cur)
         except BaseException:
-            self.spool._discard_spare(name, fd)
+            self.spool.syncs._discard_spare(name, fd)
             raise
         self.staged = (staged, fd, data)
         return True
@@ -1095,7 +1171,7 @@ class Held:
         name, fd, data = self.staged
         self.staged = None
         if not self._swap_in(name, fd, data, keep=True):  # no exchange after all: the usual way
-            self.spool._discard_spare(name, fd)
+            self.spool.syncs._discard_spare(name, fd)
             self.rewrite(data)
 
     def drop_staged(self) -> None:
@@ -1108,7 +1184,7 @@ class Held:
     def _fill_spare(self, data: bytes) -> tuple[str, int, bytes] | None:
         """A spare holding ``data`` (padded as written); None if none can be had."""
         sp = self.spool
-        spare = sp.take_spare()
+        spare = sp.syncs.take_spare()
         if spare is None:
             return None
         name, fd = spare
@@ -1124,7 +1200,7 @@ class Held:
                 data = data + b" " * (size - len(data))
             _write_all_at(fd, data)
         except BaseException:
-            sp._discard_spare(name, fd)
+            sp.syncs._discard_spare(name, fd)
             raise
         return name, fd, data
 
@@ -1142,7 +1218,7 @@ class Held:
             if keep:
                 _close_held(fd)
             else:
-                sp._discard_spare(name, fd)
+                sp.syncs._discard_spare(name, fd)
             raise
         old_fd, old_writable = self.fd, self.writable
         self.fd = fd
@@ -1155,7 +1231,7 @@ class Held:
                 os.fchmod(old_fd, sp.file_mode)
             except OSError:
                 pass
-            sp.retire_inode(name, old_fd)
+            sp.syncs.retire_inode(name, old_fd)
         else:  # someone else's file, read-only, or linked elsewhere: let it go
             _unlink_quietly(cur, name)
             _close_held(old_fd)
@@ -1199,11 +1275,7 @@ class Held:
         from_folder, self.folder, self.name = self.folder, to_folder, target
         if sp.fsync:
             if defer_sync:
-                with sp._open_lock:
-                    if not sp.has_deferred:
-                        sp.unsynced_since = time.monotonic()
-                    sp._unsynced_dst.add(to_folder)
-                    sp._unsynced_src.add(from_folder)
+                sp.syncs.defer(to_folder, from_folder)
             else:
                 os.fsync(dst_dir)
                 if src_dir != dst_dir:

@@ -46,6 +46,7 @@ from . import linux, procs, record
 from .errors import Permanent  # noqa: F401 - importable from here too
 
 PERMANENT_EXIT = 100
+STOPPED_NOW = "killed: the worker was told to stop now"  # the error of a run a forced stop ended or kept from starting
 
 
 _NO_RESULT = object()
@@ -168,7 +169,7 @@ def inheritable_fds() -> list[int]:
 
 
 class _Spawned:
-    """The part of Popen that ``run_process`` uses, for a posix_spawn child."""
+    """The part of Popen that ``_run`` uses, for a posix_spawn or forked child."""
 
     __slots__ = ("pid",)
 
@@ -216,7 +217,7 @@ def _spawn(argv: list[str], env: dict[str, str], cwd: str | None, fds: tuple[int
     """Start a job's process as the leader of a new session with ``fds`` as
     its stdin, stdout and stderr, closing ``close`` and every close-on-exec
     descriptor. posix_spawn (a vfork and exec, without Popen's Python-side
-    set-up) is ~0.1 ms cheaper per job here, but it keeps the GIL until the
+    set-up) is the cheaper of the two per job, but it keeps the GIL until the
     child has exec'd, so with other threads running jobs (``threaded``)
     Popen, which lets the GIL go, is faster. Popen is also the way for a
     ``cwd`` other than the worker's own, which os.posix_spawn cannot set, and for closing a descriptor
@@ -334,7 +335,7 @@ def _next_trim(wait: float, grown: int) -> float:
     """The wait before the next look at a job's output, after it wrote
     ``grown`` bytes during the last ``wait``: longer (up to TRIM_EVERY)
     while it writes little, short enough for ~TRIM_ABOVE a look while it
-    writes fast (a job printing `yes` writes a gigabyte a second here)."""
+    writes fast (a job printing `yes` can write a gigabyte a second)."""
     if grown <= TRIM_ABOVE // 4:
         return min(TRIM_EVERY, wait * 2)
     return max(TRIM_FIRST, min(TRIM_EVERY, wait * TRIM_ABOVE / grown))
@@ -395,78 +396,82 @@ def _supervise(pid: int, limits: Limits, handle: RunHandle, outputs: tuple[int, 
             os.close(pidfd)
 
 
-def run_process(
-    job: dict,
-    env: dict[str, str],
-    limits: Limits,
-    handle: RunHandle,
-    on_spawn: Callable[[int, tuple[int, int]], None],
-    close: list[int] | None = None,
-    on_slow: tuple[float, Callable[[], None]] | None = None,
-    threaded: bool = False,
-    outputs: tuple[int, int] | None = None,
-    spent: list[int] | None = None,
-    spin: float = 0.0,
-) -> Outcome:
-    """Run a command or argv job to its end and report what happened.
+@dataclass(slots=True)
+class RunPlan:
+    """What a run of a job in a process of its own needs besides the job:
+    the same for a command and for a handler with a timeout, so both go
+    through one skeleton (_run).
 
-    ``threaded``: other threads of this process start jobs too.
-    ``outputs``: empty memory files (see make_outputs) for its stdout and
-    stderr, made ahead by the caller; else they are made now. ``spent``:
-    where to put the job's memory files once read, for the caller to close
-    later (see close_all); else they are closed before this returns. Both
-    keep a system call each off the path between one job and the next.
-    ``close``: the descriptors the job must not inherit, if the caller knows
-    them already (see inheritable_fds); else they are looked up now.
-    ``on_slow`` = (seconds, callback): called once if the job is still
-    running after that long. ``spin``: how long after the spawn to poll
-    for the job's exit rather than sleep (see _wait_exit)."""
+    ``on_spawn(pid, window)`` is told the process the moment it exists
+    (``window``: boot ticks before and after the spawn, to tell it from a
+    later process with its pid); ``on_slow`` = (seconds, callback) is called
+    once if it still runs after that long. A command's: ``env``, its
+    environment; ``close``, the descriptors it must not inherit if the
+    caller knows them already (see inheritable_fds; else they are looked up
+    at the spawn); ``threaded``, other threads of this process start jobs
+    too. ``outputs``: empty memory files (see make_outputs) for its stdout
+    and stderr, made ahead by the caller, else made now; ``spent``: where to
+    put its files once read, for the caller to close later (see close_all),
+    else they are closed before the run returns. Both keep a system call
+    each off the path between one job and the next. ``spin``: how long
+    after the spawn to poll for its exit rather than sleep (see _wait_exit)."""
+
+    limits: Limits
+    handle: RunHandle
+    on_spawn: Callable[[int, tuple[int, int]], None]
+    on_slow: tuple[float, Callable[[], None]] | None = None
+    env: dict[str, str] | None = None
+    close: list[int] | None = None
+    threaded: bool = False
+    outputs: tuple[int, int] | None = None
+    spent: list[int] | None = None
+    spin: float = 0.0
+
+
+def run_process(job: dict, plan: RunPlan) -> Outcome:
+    """Run a command or argv job to its end and report what happened."""
+    return _run(plan, _Exec(job, plan.env))
+
+
+def fork_handler(handler: Callable[[Any], Any] | None, job: dict, plan: RunPlan) -> Outcome:
+    """Run a handler job in a forked child, killed if it runs over its timeout."""
+    return _run(plan, _Fork(handler, job))
+
+
+def _run(plan: RunPlan, how: "_Exec | _Fork") -> Outcome:
+    """The one skeleton of a run in a process of its own: start it (``how``
+    says how: exec a command, or fork a handler), tell on_spawn, supervise
+    it (timeout, grace, bounded output, a kill on stop), reap it, and build
+    the Outcome from its exit and its output's tails."""
     out = Outcome(start=time.time())
-    if job.get("argv") is not None:
-        argv = list(job["argv"])
-    else:
-        # "--": a command starting with "-" is the command, not options to sh.
-        argv = ["/bin/sh", "-c", "--", job["command"]]
-    stdin_fd = None
-    stdout_fd, stderr_fd = outputs if outputs is not None else make_outputs()
+    handle, limits = plan.handle, plan.limits
+    outputs = plan.outputs if plan.outputs is not None else make_outputs()
+    fds = list(outputs)  # the run's files, closed here or handed to ``spent``
     started_up = False
     try:
-        if job.get("payload") is not None:
-            stdin_fd = _memfd("spoolq-payload")
-            os.write(stdin_fd, json.dumps(job["payload"], ensure_ascii=False).encode())
-            os.lseek(stdin_fd, 0, os.SEEK_SET)
+        how.prepare(fds)
         if handle.interrupted:  # told to stop before it started: do not start it
             out.end = time.time()
-            out.error = "killed: the worker was told to stop now"
+            out.error = STOPPED_NOW
             out.interrupted = out.not_started = True
             return out
         before = procs.boot_ticks()
-        try:
-            stdin = stdin_fd if stdin_fd is not None else _stdin_devnull()
-            cwd = os.path.join(default_cwd(), job["cwd"]) if job.get("cwd") else default_cwd()
-            proc = _spawn(argv, env, cwd, (stdin, stdout_fd, stderr_fd),
-                          inheritable_fds() if close is None else close, threaded)
-            started = time.monotonic()  # the timeout counts from here, not from after on_spawn
-        except OSError as e:
+        proc = how.start(plan, outputs, out)
+        started = time.monotonic()  # the timeout counts from here, not from after on_spawn
+        if proc is None:  # it could not start: ``out`` says why
             out.end = time.time()
-            where = f": {e.filename}" if e.filename else ""
-            out.error = f"cannot start: {e.strerror or e}{where}"
-            return out
-        except ValueError as e:  # e.g. an embedded NUL that slipped through
-            out.end = time.time()
-            out.error = f"cannot start: {e}"
             return out
         handle.pid = proc.pid
         started_up = True  # its files may now wait in ``spent``: the next spawn closes them
         try:
             try:
-                on_spawn(proc.pid, (before, procs.boot_ticks()))
+                plan.on_spawn(proc.pid, (before, procs.boot_ticks()))
             except Exception:
                 pass  # the registration is a safety net; the run goes on without it
             if handle.interrupted:  # a kill arrived before the pid was known
                 handle.kill()
-            out.timed_out = _supervise(proc.pid, limits, handle, (stdout_fd, stderr_fd), limits.output_limit, on_slow,
-                                       started, spin)
+            out.timed_out = _supervise(proc.pid, limits, handle, outputs, limits.output_limit, plan.on_slow,
+                                       started, plan.spin)
         except BaseException:
             # Whatever went wrong here, leave nothing running behind us.
             _killpg(proc.pid, signal.SIGKILL)
@@ -476,16 +481,73 @@ def run_process(
             handle._reaped = True  # before reaping: after it the group id may be reused
             code = proc.wait()
         out.end = time.time()
-        out.exit_code = code
         out.interrupted = handle.interrupted
+        if out.timed_out:
+            out.error = f"timed out after {limits.timeout:g}s"
+        elif out.interrupted:
+            out.error = STOPPED_NOW
+        more_stderr = how.finish(out, code)
+        out.stdout = _tail(outputs[0], limits.output_limit)
+        out.stderr = _tail(outputs[1], limits.output_limit)
+        if more_stderr is not None:
+            out.stderr = _tail_text(out.stderr + more_stderr, limits.output_limit)
+        return out
+    finally:
+        how.close()
+        if plan.spent is not None and started_up:
+            plan.spent.extend(fds)
+        else:
+            close_all(fds)
+
+
+class _Exec:
+    """How a command or argv job runs: exec'd (posix_spawn or Popen) in a
+    new session, its payload on stdin from a memory file."""
+
+    __slots__ = ("job", "env", "stdin")
+
+    def __init__(self, job: dict, env: dict[str, str]):
+        self.job = job
+        self.env = env
+        self.stdin: int | None = None
+
+    def prepare(self, fds: list[int]) -> None:
+        if self.job.get("payload") is not None:
+            self.stdin = _memfd("spoolq-payload")
+            fds.append(self.stdin)
+            os.write(self.stdin, json.dumps(self.job["payload"], ensure_ascii=False).encode())
+            os.lseek(self.stdin, 0, os.SEEK_SET)
+
+    def start(self, plan: RunPlan, outputs: tuple[int, int], out: Outcome) -> Any:
+        """The started process (with .pid and .wait()), or None with why in ``out.error``."""
+        job = self.job
+        if job.get("argv") is not None:
+            argv = list(job["argv"])
+        else:
+            # "--": a command starting with "-" is the command, not options to sh.
+            argv = ["/bin/sh", "-c", "--", job["command"]]
+        try:
+            stdin = self.stdin if self.stdin is not None else _stdin_devnull()
+            cwd = os.path.join(default_cwd(), job["cwd"]) if job.get("cwd") else default_cwd()
+            return _spawn(argv, self.env, cwd, (stdin, outputs[0], outputs[1]),
+                          inheritable_fds() if plan.close is None else plan.close, plan.threaded)
+        except OSError as e:
+            where = f": {e.filename}" if e.filename else ""
+            out.error = f"cannot start: {e.strerror or e}{where}"
+        except ValueError as e:  # e.g. an embedded NUL that slipped through
+            out.error = f"cannot start: {e}"
+        return None
+
+    def finish(self, out: Outcome, code: int) -> str | None:
+        """Judge the exit ``code``; None: no more stderr than the job's own."""
+        env = self.env
         if (out.timed_out or out.interrupted) and env.get("SPOOLQ_WORKER"):
             # Killed with its process group; what left the group (setsid) is
             # found by the variables that mark this run, as recovery would.
             procs.kill_marked([f"{k}={env[k]}" for k in ("SPOOLQ_WORKER", "SPOOLQ_JOB_ID", "SPOOLQ_ATTEMPT") if k in env])
-        if out.timed_out:
-            out.error = f"timed out after {limits.timeout:g}s"
-        elif handle.interrupted:
-            out.error = "killed: the worker was told to stop now"
+        out.exit_code = code
+        if out.error is not None:
+            pass
         elif code < 0:
             try:
                 name = signal.Signals(-code).name
@@ -497,15 +559,99 @@ def run_process(
             out.error = f"exit status {code}: failed permanently"
         elif code != 0:
             out.error = f"exit status {code}"
-        out.stdout = _tail(stdout_fd, limits.output_limit)
-        out.stderr = _tail(stderr_fd, limits.output_limit)
-        return out
-    finally:
-        fds = [fd for fd in (stdin_fd, stdout_fd, stderr_fd) if fd is not None]
-        if spent is not None and started_up:
-            spent.extend(fds)
+        return None
+
+    def close(self) -> None:
+        pass  # its payload file is among the run's files
+
+
+class _Fork:
+    """How a handler job with a timeout runs: in a forked child of the
+    worker, which writes what the handler did (error, traceback, result)
+    as JSON to a memory file the worker reads after reaping it."""
+
+    __slots__ = ("handler", "job", "result_fd")
+
+    def __init__(self, handler: Callable[[Any], Any] | None, job: dict):
+        self.handler = handler
+        self.job = job
+        self.result_fd: int | None = None
+
+    def prepare(self, fds: list[int]) -> None:
+        linux.load_prctl()
+        self.result_fd = _memfd("spoolq-result")
+
+    def start(self, plan: RunPlan, outputs: tuple[int, int], out: Outcome) -> Any:
+        parent = os.getpid()
+        pid = os.fork()
+        if pid == 0:
+            self._child(parent, outputs, out.start, plan.limits)  # never returns
+        try:
+            os.setpgid(pid, pid)  # also here, so killpg works however early we need it
+        except OSError:
+            pass
+        return _Spawned(pid)
+
+    def _child(self, parent: int, outputs: tuple[int, int], start: float, limits: Limits) -> None:
+        """In the child: run the handler, write the outcome, leave without cleanup."""
+        code = 0
+        try:
+            os.setpgid(0, 0)
+            die_with_parent()  # killed with the worker
+            if os.getppid() != parent:  # the worker died before prctl took hold
+                os._exit(1)
+            # The worker's signal handlers are not this process's business:
+            # a timeout's SIGTERM must end the handler, not "stop a worker".
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                signal.signal(sig, signal.SIG_DFL)
+            # Its output is the job's, as a command's is. Fresh streams:
+            # the worker's may hold text it buffered but did not write yet.
+            os.dup2(outputs[0], 1)
+            os.dup2(outputs[1], 2)
+            # Line-buffered: what it printed before a timeout killed it is kept.
+            sys.stdout = open(1, "w", encoding="utf-8", errors="backslashreplace", closefd=False, buffering=1)
+            sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False, buffering=1)
+            child = Outcome(start=start)
+            try:
+                _call_into(child, self.handler, self.job, limits)
+            finally:
+                for stream in (sys.stdout, sys.stderr):
+                    try:
+                        stream.flush()
+                    except (OSError, ValueError, AttributeError):
+                        pass
+            report = {"error": child.error, "tb": child.stderr, "permanent": child.permanent}
+            if child.has_result:
+                report["result"] = child.result
+            os.pwrite(self.result_fd, json.dumps(report).encode(), 0)
+        except BaseException:
+            code = 1
+        finally:
+            os._exit(code)
+
+    def finish(self, out: Outcome, code: int) -> str | None:
+        """Take the child's report; the handler's traceback, if any, follows its stderr."""
+        size = os.fstat(self.result_fd).st_size
+        report = None
+        if size:
+            try:
+                report = json.loads(os.pread(self.result_fd, size, 0))
+            except ValueError:
+                report = None
+        if out.error is not None:
+            pass
+        elif report is None:
+            out.error = f"the handler process died ({'signal ' + str(-code) if code < 0 else 'exit status ' + str(code)})"
         else:
-            close_all(fds)
+            out.error = report.get("error")
+            out.permanent = bool(report.get("permanent"))
+            if "result" in report:
+                out.result = report["result"]
+        return (report or {}).get("tb") or ""
+
+    def close(self) -> None:
+        if self.result_fd is not None:
+            os.close(self.result_fd)
 
 
 def _describe_exception(e: BaseException, limit: int) -> tuple[str, str]:
@@ -729,110 +875,6 @@ def _call_into(out: Outcome, handler, job: dict, limits: Limits) -> None:
         out.error = f"the handler returned a value {record.too_deep_message(record.MAX_DEPTH - 1)}"
     except (TypeError, ValueError) as e:
         out.error = f"the handler returned a value that is not JSON: {type(value).__name__} ({e})"
-
-
-def fork_handler(
-    handler: Callable[[Any], Any] | None,
-    job: dict,
-    limits: Limits,
-    handle: RunHandle,
-    on_spawn: Callable[[int, tuple[int, int]], None],
-    on_slow: tuple[float, Callable[[], None]] | None = None,
-) -> Outcome:
-    """Run a handler job in a forked child, killed if it runs over its
-    timeout. ``on_slow`` as for run_process."""
-    out = Outcome(start=time.time())
-    linux.load_prctl()
-    result_fd = _memfd("spoolq-result")
-    outputs: tuple[int, ...] = ()
-    parent = os.getpid()
-    before = procs.boot_ticks()
-    try:
-        outputs = make_outputs()
-        pid = os.fork()
-        started = time.monotonic()
-        if pid == 0:  # the child: run, write the outcome, leave without cleanup
-            code = 0
-            try:
-                os.setpgid(0, 0)
-                die_with_parent()  # killed with the worker
-                if os.getppid() != parent:  # the worker died before prctl took hold
-                    os._exit(1)
-                # The worker's signal handlers are not this process's business:
-                # a timeout's SIGTERM must end the handler, not "stop a worker".
-                for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-                    signal.signal(sig, signal.SIG_DFL)
-                # Its output is the job's, as a command's is. Fresh streams:
-                # the worker's may hold text it buffered but did not write yet.
-                os.dup2(outputs[0], 1)
-                os.dup2(outputs[1], 2)
-                # Line-buffered: what it printed before a timeout killed it is kept.
-                sys.stdout = open(1, "w", encoding="utf-8", errors="backslashreplace", closefd=False, buffering=1)
-                sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False, buffering=1)
-                child = Outcome(start=out.start)
-                try:
-                    _call_into(child, handler, job, limits)
-                finally:
-                    for stream in (sys.stdout, sys.stderr):
-                        try:
-                            stream.flush()
-                        except (OSError, ValueError, AttributeError):
-                            pass
-                report = {"error": child.error, "tb": child.stderr, "permanent": child.permanent}
-                if child.has_result:
-                    report["result"] = child.result
-                os.pwrite(result_fd, json.dumps(report).encode(), 0)
-            except BaseException:
-                code = 1
-            finally:
-                os._exit(code)
-        handle.pid = pid
-        try:
-            try:
-                os.setpgid(pid, pid)  # also here, so killpg works however early we need it
-            except OSError:
-                pass
-            try:
-                on_spawn(pid, (before, procs.boot_ticks()))
-            except Exception:
-                pass
-            if handle.interrupted:
-                handle.kill()
-            out.timed_out = _supervise(pid, limits, handle, outputs, limits.output_limit, on_slow=on_slow, started=started)
-        except BaseException:
-            _killpg(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            raise
-        with handle._lock:
-            handle._reaped = True
-            _, status = os.waitpid(pid, 0)
-        out.end = time.time()
-        out.interrupted = handle.interrupted
-        size = os.fstat(result_fd).st_size
-        report = None
-        if size:
-            try:
-                report = json.loads(os.pread(result_fd, size, 0))
-            except ValueError:
-                report = None
-        if out.timed_out:
-            out.error = f"timed out after {limits.timeout:g}s"
-        elif handle.interrupted:
-            out.error = "killed: the worker was told to stop now"
-        elif report is None:
-            code = os.waitstatus_to_exitcode(status)
-            out.error = f"the handler process died ({'signal ' + str(-code) if code < 0 else 'exit status ' + str(code)})"
-        else:
-            out.error = report.get("error")
-            out.permanent = bool(report.get("permanent"))
-            if "result" in report:
-                out.result = report["result"]
-        out.stdout = _tail(outputs[0], limits.output_limit)
-        out.stderr = _tail_text(_tail(outputs[1], limits.output_limit) + ((report or {}).get("tb") or ""), limits.output_limit)
-        return out
-    finally:
-        os.close(result_fd)
-        close_all(list(outputs))
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> None:

@@ -11,8 +11,8 @@ second, hoping to pair it with its IN_MOVED_TO, and its queue delivers
 events in order: every event behind a held one waits too. A claim (new/ ->
 cur/) is such a move. Watching the whole spool is not enough: when the two
 halves of a move arrive in separate reads, watchdog's queue sleeps out the
-whole half second even after pairing them (measured here: p50 pickup 223 ms
-with claims, 0.5 ms without). spoolq never needs pairs (a file arriving in
+whole half second even after pairing them (``spoolq bench --section
+latency`` shows the difference: "paired" against "new"). spoolq never needs pairs (a file arriving in
 new/ is all it wants to know), so its observer uses a grouper with no delay:
 an unpaired move into new/ comes through at once as a created event. The
 watch covers only new/ and failed/, filtered to created and moved events,
@@ -72,9 +72,6 @@ class InotifyWaker(Waker):
         self._overflow_handler = _Overflow(self)
         self._lock = threading.Lock()
         self._paths = tuple(os.path.join(spool.root, f) + os.sep for f in WAKING_FOLDERS)
-        # A test hook: events are dropped (the observer runs but tells nobody),
-        # to show that rescans alone find every job.
-        self._deaf = os.environ.get("SPOOLQ_TEST_DROP_EVENTS") == "1"
 
     def _identity_now(self) -> tuple[int, int] | None:
         try:
@@ -100,8 +97,7 @@ class InotifyWaker(Waker):
                     target = os.fsdecode(target)
                 if target.startswith(paths) and not os.path.basename(target).startswith("."):
                     waker.events += 1
-                    if not waker._deaf:
-                        waker.wake()
+                    waker.wake()
 
         observer = _make_observer(no_delay=self.scope != "paired")
         try:
@@ -188,11 +184,11 @@ def _make_observer(no_delay: bool):
     return NoDelayObserver()
 
 
-def make_waker(spool: SpoolDir, poll: float | None, log: Log) -> Waker:
+def make_waker(spool: SpoolDir, poll: float | None, log: Log, scope: str = "new") -> Waker:
     """The waker for a watching worker: polling if asked, else inotify.
-    ($SPOOLQ_WATCH_SCOPE picks other watch setups for the benchmark:
-    "paired" is watchdog's stock pairing behaviour on new/ and failed/,
-    "root" a no-delay watch of the whole spool.)"""
+    ``scope`` other than "new" is for the benchmark's comparisons: "paired"
+    is watchdog's stock pairing behaviour on new/ and failed/, "root" a
+    no-delay watch of the whole spool."""
     if poll:
         return PollWaker(poll)
-    return InotifyWaker(spool, log, scope=os.environ.get("SPOOLQ_WATCH_SCOPE", "new"))
+    return InotifyWaker(spool, log, scope=scope)

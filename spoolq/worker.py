@@ -36,7 +36,7 @@ from .errors import ForcedStop
 from .output import Log, as_log, log_what_waits, quoted  # noqa: F401 - Log, log_what_waits: importable from here too
 from .protocol import Entry
 from .registry import Registration
-from .runner import Limits, Outcome, RunHandle, call_handler, close_all, fork_handler, inheritable_fds, make_outputs, run_process
+from .runner import STOPPED_NOW, Limits, Outcome, RunHandle, RunPlan, call_handler, close_all, fork_handler, inheritable_fds, make_outputs, run_process
 from .waker import Waker
 from .watcher import make_waker
 
@@ -654,6 +654,7 @@ class Worker:
 
         # A job still running after the hold must not keep the next one locked.
         on_slow = (self._look_ahead_hold, self._drop_ahead) if self.jobs == 1 else None
+        plan = RunPlan(limits, handle, spawned, on_slow)
 
         out: Outcome
         run_began = time.time()  # what a stopped run's record says it started at
@@ -663,23 +664,21 @@ class Worker:
             if job.get("kind") is not None:
                 handler = self.handlers.get(job["kind"])
                 if self._forced:
-                    out = Outcome(start=run_began, end=run_began, error="killed: the worker was told to stop now", interrupted=True,
-                                  not_started=True)
+                    out = Outcome(start=run_began, end=run_began, error=STOPPED_NOW, interrupted=True, not_started=True)
                 elif inline:
                     out = call_handler(handler, job, limits, handle)
                 else:
-                    out = fork_handler(handler, job, limits, handle, spawned, on_slow)
+                    out = fork_handler(handler, job, plan)
             else:
-                outputs, spent, spin = None, None, 0.0
+                plan.env, plan.close, plan.threaded = self._env(job, attempt), self._spawn_closes, self.jobs > 1
                 if self.jobs == 1:
-                    outputs, self._spare_outputs, spent = self._spare_outputs, None, self._spent_fds
-                    spin = self._spin_window if self._last_short and self._may_spin() else 0.0
+                    plan.outputs, self._spare_outputs, plan.spent = self._spare_outputs, None, self._spent_fds
+                    plan.spin = self._spin_window if self._last_short and self._may_spin() else 0.0
                 began = time.monotonic()
-                out = run_process(job, self._env(job, attempt), limits, handle, spawned, self._spawn_closes, on_slow,
-                                  threaded=self.jobs > 1, outputs=outputs, spent=spent, spin=spin)
+                out = run_process(job, plan)
                 self._last_short = time.monotonic() - began < self._spin_window
         except ForcedStop:
-            out = Outcome(start=run_began, end=time.time(), error="killed: the worker was told to stop now", interrupted=True)
+            out = Outcome(start=run_began, end=time.time(), error=STOPPED_NOW, interrupted=True)
         except Exception as e:  # spoolq's own failure to run it: a failed run, not a dead worker
             out = Outcome(start=run_began, end=time.time(), error=f"internal error running the job: {type(e).__name__}: {e}")
         finally:
