@@ -46,6 +46,7 @@ from . import linux, procs, record
 from .errors import Permanent  # noqa: F401 - importable from here too
 
 PERMANENT_EXIT = 100
+STOPPED_NOW = "killed: the worker was told to stop now"  # the error of a run a second stop signal ended
 
 
 _NO_RESULT = object()
