@@ -24,6 +24,7 @@ from .waker import Waker
 from .watcher import make_waker
 
 Claimed = transitions.Claimed
+WRITER_GRACE = transitions.WRITER_GRACE  # how long a file cut short in new/ is left for its writer (see on_later)
 OnQuarantine = Callable[[str, str], None]
 OnBusy = Callable[[], None]
 OnLater = Callable[[str, int], None]

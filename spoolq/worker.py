@@ -33,13 +33,13 @@ from typing import Any, Callable
 from . import config, linux, procs
 from .commit import COMMIT_JOBS, COMMIT_SECONDS, GroupCommit
 from .errors import ForcedStop
-from .output import Log, as_log, log_what_waits, quoted, wants  # noqa: F401 - Log, log_what_waits: importable from here too
+from .outcomes import Recorder
+from .output import Log, as_log, log_what_waits, quoted  # noqa: F401 - Log, log_what_waits: importable from here too
 from .protocol import Entry
 from .registry import Registration
 from .runner import STOPPED_NOW, Limits, Outcome, RunHandle, call_handler, fork_handler, inheritable_fds, run_process
-from .store import Claimed, Store
+from .store import WRITER_GRACE, Claimed, Store
 from .strategies import Serial, Slots
-from .transitions import WRITER_GRACE
 from .waker import Waker
 
 # Due entries kept per pass: memory stays bounded (~50 MB) however many
@@ -156,7 +156,8 @@ class Worker:
     ):
         """``store``: the jobs and their settings (a config.Settings,
         reloaded in place on SIGHUP); ``compact``: folds done/ into the
-        index with those settings (automatic compaction; None: never)."""
+        index with those settings (automatic compaction; None: never).
+        (Long: one attribute a line, each with why it is kept.)"""
         if jobs < 1:
             raise ValueError("jobs must be at least 1")
         self.store = store
@@ -201,8 +202,10 @@ class Worker:
         # Each staged job holds two descriptors; a commit comes once a
         # sixteenth of the open-file limit are synced, or twice that staged,
         # so at most ~a quarter of the limit is theirs.
-        self.commit = GroupCommit(store, max(1, min(COMMIT_JOBS, procs.open_file_limit() // 16)),
-                                  self.tuning.commit_seconds, self._moved, self._log_outcome, self._cannot_record)
+        self.recorder = Recorder(self)
+        self.record = self.recorder.record
+        self.commit = GroupCommit(store, max(1, min(COMMIT_JOBS, procs.open_file_limit() // 16)), self.tuning.commit_seconds,
+                                  self.recorder.moved, self.recorder.log_outcome, self.recorder.cannot_record)
         self._spawn_closes: list[int] = []
         self._busy_this_pass = 0  # due files another process held when we tried them
         # When the first file this pass left for its writer to finish (see
@@ -212,6 +215,7 @@ class Worker:
         self._later_logged: set[tuple[str, int]] = set()
         self._next_compact_ran = 0
         self._next_compact_time = 0.0
+        self._default_limits: tuple[int, Limits] | None = None
         self._base_env = dict(os.environ)
         self._base_env["SPOOLQ_SPOOL"] = store.root
 
@@ -556,11 +560,17 @@ class Worker:
                 self._finished_since_scan += 1
 
     def _limits(self, job: dict) -> Limits:
+        """A job's limits: its own timeout, else the settings' (built once
+        per settings generation: most jobs use them as they are)."""
         s = self.settings
+        generation = getattr(s, "generation", 0)
+        if self._default_limits is None or self._default_limits[0] != generation:
+            self._default_limits = (generation, Limits(float(s["timeout"]), float(s["timeout_grace"]), int(s["output_limit"])))
+        limits = self._default_limits[1]
         timeout = job.get("timeout")
         if timeout is None:
-            timeout = s["timeout"]
-        return Limits(float(timeout), float(s["timeout_grace"]), int(s["output_limit"]))
+            return limits
+        return Limits(float(timeout), limits.grace, limits.output_limit)
 
     def _run_one(self, claimed: Claimed) -> None:
         job = claimed.job
@@ -619,95 +629,14 @@ class Worker:
         strategy.ran()
         return out
 
-    # -- recording outcomes ------------------------------------------------
-
-    def record(self, claimed: Claimed, out: Outcome) -> None:
-        """Move a job out of cur/ by its outcome (staged for the group
-        commit, or at once), to be logged once durable."""
-        job_id, attempt = claimed.job_id, claimed.attempt  # (finish counts the attempt into the job)
-        reg = self.registration
-        if out.not_started and self._put_back(claimed):
-            return
-        try:
-            if not out.ok:  # a failed run's record must be known as this run's (a success needs no telling)
-                try:
-                    reg.ensure_listed(job_id)
-                except OSError:
-                    pass  # only a crash right after the record would count the run twice
-            dest, due, staged = self.store.finish(claimed, out, reg.worker_id)
-        except (Exception, ForcedStop) as e:
-            # The job stays in cur/ and its registration entry stays too, so
-            # recovery knows which run it was.
-            self.store.release(claimed)
-            self._cannot_record(job_id, f"cannot record the outcome: {type(e).__name__}: {e}", self.store.where(claimed))
-            return
-        item = (claimed, out, attempt, dest, due)
-        if staged:  # moved on by the next commit
-            # A success or a dead end lets its registration entry go now, or
-            # every registration save would carry the staged jobs too:
-            # recovery knows those records by their state. A failed run keeps
-            # it until the move: its record swapped in but not moved on looks
-            # like the one it replaced, and the entry tells recovery which
-            # run it was.
-            if dest != "failed":
-                self._forget_run(job_id)
-            self.commit.staged(item)
-            return
-        self.commit.moved(item)
-
-    def _put_back(self, claimed: Claimed) -> bool:
-        """A job claimed but stopped before it began (a second stop signal
-        between the two) goes back where it came from, as it was: no run
-        happened, so none is counted. False if it cannot (then it is
-        finished as an interrupted run, as before)."""
-        try:
-            folder = self.store.unclaim(claimed)
-        except Exception as e:
-            where = self.store.where(claimed)
-            if where == "cur":
-                return False  # not moved: finished as an interrupted run
-            # Moved back, but a sync after failed: as for any record that
-            # cannot be made durable, claim no more.
-            self.store.release(claimed)
-            self._forget_run(claimed.job_id)
-            self._cannot_record(claimed.job_id, f"{type(e).__name__}: {e}", where, back=True)
-            return True
-        self._forget_run(claimed.job_id)
-        self.log.line(f"worker={self.wid} job={claimed.job_id} not started: the worker was told to stop now; "
-                      f"back in {folder}/", 1)
-        return True
-
-    def _cannot_record(self, job_id: str | None, why: str, where: str, back: bool = False) -> None:
-        """An outcome (or a sync of many) cannot be made durable: the job
-        stays where it is for recovery, and this worker claims no more."""
-        self.failed_to_record = True
-        self.stopping = True
-        if job_id is None:
-            tail = ""
-        elif back:
-            tail = f"back in {where}/ but not synced; "
-        elif where == "cur":
-            tail = "it stays in cur/ for recovery; "
-        else:
-            tail = f"it is in {where}/, not synced; "  # the move was made, only its sync failed
-        job = f" job={job_id}" if job_id is not None else ""
-        self.log.line(f"worker={self.wid}{job} error={quoted(why)} {tail}the worker stops claiming", 0)
-
-    def _moved(self, claimed: Claimed, completed: bool) -> None:
+    def moved(self, completed: bool) -> None:
         """A job has left cur/ (``completed``: moved on by the group commit,
         which counts as a finish for the dispatcher: a failed job may be due
         again at once, and it could not see it while it waited in cur/)."""
-        self._forget_run(claimed.job_id)
         self.ran += 1
         if completed:
             with self._lock:
                 self._finished_since_scan += 1
-
-    def _forget_run(self, job_id: str) -> None:
-        try:
-            self.registration.job_ended(job_id)
-        except OSError:
-            pass
 
     def _env(self, job: dict, attempt: int) -> dict[str, str]:
         env = dict(self._base_env)
@@ -719,23 +648,3 @@ class Worker:
         env["SPOOLQ_SPOOL"] = self.store.root
         env["SPOOLQ_WORKER"] = self.registration.worker_id
         return env
-
-    def _log_outcome(self, job: dict, out: Outcome, attempt: int, dest: str, due: float | None) -> None:
-        level, severity = (0, None) if dest == "dead" else (1, logging.WARNING if dest == "failed" else None)
-        if not wants(self.log, level, severity):
-            return  # (not worth building a line that would be dropped)
-        outcome = {"done": "succeeded", "failed": "failed", "dead": "dead"}[dest]
-        max_attempts = job.get("max_attempts") or self.settings["max_attempts"]
-        parts = [
-            f"worker={self.wid}",
-            f"job={job['id']}",
-            f"outcome={outcome}",
-            f"attempt={attempt}/{max_attempts}",
-            f"duration={max(0.0, out.end - out.start):.3f}s",
-            f"exit={out.exit_code if out.exit_code is not None else '-'}",
-        ]
-        if due is not None:
-            parts.append(f"retry_in={max(0.0, due - time.time()):.1f}s")
-        if out.error:
-            parts.append(f"error={quoted(out.error)}")
-        self.log.line(" ".join(parts), level, severity)

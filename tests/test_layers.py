@@ -26,7 +26,7 @@ LAYERS = [
     ["index", "transitions"],
     ["compact", "recovery"],
     ["store"],  # the narrow storage interface the worker uses, and the directory's
-    ["commit", "strategies"],  # group commit; -j 1 and -j N
+    ["commit", "outcomes", "strategies"],  # group commit; recording outcomes; -j 1 and -j N
     ["worker"],
     ["pool"],
     ["spool"],  # the facade: Spool.work is the only way to run workers
