@@ -594,7 +594,15 @@ class _Routed:
         self._original = original
 
     def _target(self) -> Any:
-        return getattr(_capture, self._name, None) or self._original
+        captured = getattr(_capture, self._name, None)
+        if captured is None:
+            limit = getattr(_capture, "limit", None)
+            if limit is None:  # not a thread running a handler
+                return self._original
+            # Made at the handler's first write: most print nothing.
+            captured = _Captured(limit)
+            setattr(_capture, self._name, captured)
+        return captured
 
     def write(self, text: str) -> int:
         target = self._target()
@@ -613,7 +621,7 @@ class _Routed:
         return getattr(self._target(), name)
 
 
-_capture = threading.local()  # .stdout, .stderr: the running handler's _Captured, in its thread
+_capture = threading.local()  # .limit, .stdout, .stderr: the running handler's, in its thread (see _Routed._target)
 _capture_lock = threading.Lock()
 _capturing = 0  # handlers running in this process with their output captured
 _routed: tuple[Any, Any] | None = None  # the (_Routed, _Routed) in place while any is
@@ -632,7 +640,8 @@ def _begin_capture(limit: int) -> None:
             _routed = last  # (the last pair again when the streams are the same: one job after another)
             sys.stdout, sys.stderr = _routed
         _capturing += 1
-    _capture.stdout, _capture.stderr = _Captured(limit), _Captured(limit)
+    _capture.stdout = _capture.stderr = None
+    _capture.limit = limit
 
 
 def _end_capture() -> tuple[str, str]:
@@ -640,7 +649,7 @@ def _end_capture() -> tuple[str, str]:
     no handler runs (unless someone else has replaced them since)."""
     global _capturing, _routed, _last_routed
     out, err = _capture.stdout, _capture.stderr
-    _capture.stdout = _capture.stderr = None
+    _capture.stdout = _capture.stderr = _capture.limit = None
     with _capture_lock:
         _capturing -= 1
         if _capturing == 0 and _routed is not None:
@@ -649,7 +658,7 @@ def _end_capture() -> tuple[str, str]:
             if sys.stderr is _routed[1]:
                 sys.stderr = _routed[1]._original
             _routed, _last_routed = None, _routed
-    return out.text(), err.text()
+    return (out.text() if out is not None else ""), (err.text() if err is not None else "")
 
 
 def _tail_text(text: str, limit: int) -> str:
