@@ -7,6 +7,13 @@ job itself (no threads, the cheapest path); with ``jobs=N`` it hands claimed
 jobs to N slot threads and claims only when a slot is free. (``spoolq work
 -j N`` runs N processes of ``jobs=1`` instead: see pool.py.)
 
+The worker is in parts: this module's dispatcher (passes, claims, waits,
+signals, compaction); strategies.py's Serial (-j 1, with its pipelining)
+and Slots (-j N); outcomes.py's Recorder (a run's outcome into the store);
+commit.py's GroupCommit (outcomes made durable, then logged); and the
+storage itself only through store.py's Store interface. ``Tuning`` holds
+the timings of the pipelining and the group commit, passed in.
+
 A drain ends when a pass claims nothing and no job finished since it began
 (a file locked by someone else cannot make it spin). In watch mode the
 dispatcher sleeps instead, until the watcher, the next due time, a finished

@@ -192,3 +192,12 @@ def test_on_a_real_spool_a_told_outcome_is_in_done(tmp_path):
     commit.commit()
     assert sorted(told) == sorted(ids)
     assert len(list((tmp_path / "q" / "done").iterdir())) == 5
+
+
+def test_the_directory_store_has_every_operation_of_the_store_interface():
+    """The worker depends on store.Store only; DirStore is the spool directory's implementation of it."""
+    from spoolq.store import Store
+
+    wanted = {name for name in vars(Store) if not name.startswith("_")} | set(Store.__annotations__)
+    missing = {name for name in wanted if not hasattr(DirStore, name) and name not in ("settings", "root")}
+    assert missing == set()
