@@ -274,7 +274,21 @@ class Log:
             self.logger.log(severity, text, stacklevel=2)
 
 
+    def wants(self, level: int = 1, severity: int | None = None) -> bool:
+        """Whether a line of ``level`` would be logged (so a caller can skip building it)."""
+        if level > self.level:
+            return False
+        return self._printer is not None or self.logger.isEnabledFor(_SEVERITY[level] if severity is None else severity)
+
+
 _SEVERITY = {0: ERROR, 1: INFO, 2: DEBUG}
+
+
+def wants(log: Any, level: int = 1, severity: int | None = None) -> bool:
+    """Whether ``log`` (a Log, or an object with only a ``line`` method,
+    which takes every line) would log a line of ``level``."""
+    check = getattr(log, "wants", None)
+    return True if check is None else check(level, severity)
 
 
 def as_log(log: Any) -> Any:

@@ -63,7 +63,10 @@ class Registration:
         self._held = self.spool.create_held("workers", self.worker_id + ".json", self._dumps())
 
     def _dumps(self) -> bytes:
-        return (self._prefix + _encoder.encode(self.jobs) + "}\n").encode()
+        # A run's start is kept as a number and written as a time here: a
+        # save comes far less often than a start.
+        jobs = {job_id: {**entry, "started_at": rfc3339(entry["started_at"])} for job_id, entry in self.jobs.items()}
+        return (self._prefix + _encoder.encode(jobs) + "}\n").encode()
 
     def _save(self) -> None:
         self._dirty = False
@@ -84,7 +87,7 @@ class Registration:
         the flush interval): recovery would take that run for the one under
         way, and a recorded finish of it for this run's."""
         with self._lock:
-            self.jobs[job_id] = {"attempt": attempt, "started_at": rfc3339()}
+            self.jobs[job_id] = {"attempt": attempt, "started_at": time.time()}
             self._dirty = True
             if job_id in self._on_disk:
                 self._save()

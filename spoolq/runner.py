@@ -739,7 +739,15 @@ class _Routed:
         self._original = original
 
     def _target(self) -> Any:
-        return getattr(_capture, self._name, None) or self._original
+        captured = getattr(_capture, self._name, None)
+        if captured is None:
+            limit = getattr(_capture, "limit", None)
+            if limit is None:  # not a thread running a handler
+                return self._original
+            # Made at the handler's first write: most print nothing.
+            captured = _Captured(limit)
+            setattr(_capture, self._name, captured)
+        return captured
 
     def write(self, text: str) -> int:
         target = self._target()
@@ -758,10 +766,11 @@ class _Routed:
         return getattr(self._target(), name)
 
 
-_capture = threading.local()  # .stdout, .stderr: the running handler's _Captured, in its thread
+_capture = threading.local()  # .limit, .stdout, .stderr: the running handler's, in its thread (see _Routed._target)
 _capture_lock = threading.Lock()
 _capturing = 0  # handlers running in this process with their output captured
 _routed: tuple[Any, Any] | None = None  # the (_Routed, _Routed) in place while any is
+_last_routed: tuple[Any, Any] | None = None  # the pair last in place, used again for the same streams
 
 
 def _begin_capture(limit: int) -> None:
@@ -770,18 +779,22 @@ def _begin_capture(limit: int) -> None:
     global _capturing, _routed
     with _capture_lock:
         if _capturing == 0:
-            _routed = (_Routed("stdout", sys.stdout), _Routed("stderr", sys.stderr))
+            last = _last_routed
+            if last is None or last[0]._original is not sys.stdout or last[1]._original is not sys.stderr:
+                last = (_Routed("stdout", sys.stdout), _Routed("stderr", sys.stderr))
+            _routed = last  # (the last pair again when the streams are the same: one job after another)
             sys.stdout, sys.stderr = _routed
         _capturing += 1
-    _capture.stdout, _capture.stderr = _Captured(limit), _Captured(limit)
+    _capture.stdout = _capture.stderr = None
+    _capture.limit = limit
 
 
 def _end_capture() -> tuple[str, str]:
     """What this thread's handler printed; the streams are put back once
     no handler runs (unless someone else has replaced them since)."""
-    global _capturing, _routed
+    global _capturing, _routed, _last_routed
     out, err = _capture.stdout, _capture.stderr
-    _capture.stdout = _capture.stderr = None
+    _capture.stdout = _capture.stderr = _capture.limit = None
     with _capture_lock:
         _capturing -= 1
         if _capturing == 0 and _routed is not None:
@@ -789,8 +802,8 @@ def _end_capture() -> tuple[str, str]:
                 sys.stdout = _routed[0]._original
             if sys.stderr is _routed[1]:
                 sys.stderr = _routed[1]._original
-            _routed = None
-    return out.text(), err.text()
+            _routed, _last_routed = None, _routed
+    return (out.text() if out is not None else ""), (err.text() if err is not None else "")
 
 
 def _tail_text(text: str, limit: int) -> str:
@@ -801,6 +814,22 @@ def _tail_text(text: str, limit: int) -> str:
     return data[-limit:].decode("utf-8", errors="replace") if len(data) > limit else text
 
 
+# This process's pid, kept current in a child made by os.fork (or
+# multiprocessing): call_handler compares it with getpid() after a handler
+# returns, and so makes one system call a job, not two. (A child forked
+# without Python's hooks keeps its parent's pid here, which is still the
+# worker's pid to compare with.)
+_pid = os.getpid()
+
+
+def _forked() -> None:
+    global _pid
+    _pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
 def call_handler(handler: Callable[[Any], Any] | None, job: dict, limits: Limits, handle: RunHandle) -> Outcome:
     """Run a handler job in this process (no timeout possible); what it
     prints in this thread becomes the job's stdout and stderr."""
@@ -809,7 +838,7 @@ def call_handler(handler: Callable[[Any], Any] | None, job: dict, limits: Limits
     try:
         with handle._lock:
             handle.inline = True
-        worker_pid = os.getpid()
+        worker_pid = _pid
         try:
             _call_into(out, handler, job, limits)
         finally:

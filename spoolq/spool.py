@@ -512,6 +512,7 @@ class Spool:
         log: Any = None,
         signals: bool = True,
         processes: bool = False,
+        tuning: Any = None,
     ) -> int:
         """Run jobs and return how many ran.
 
@@ -523,7 +524,8 @@ class Spool:
         each, as ``spoolq work -j N`` runs (they always handle the stop
         signals; see pool.py). ``log``: a logging.Logger for the worker's
         lines (by default the ``spoolq`` logger's records, shown as logging
-        is configured).
+        is configured). ``tuning``: a worker.Tuning, the timings of its
+        pipelining and group commit (the defaults otherwise).
 
         The number returned is a WorkResult, whose ``clean`` is False when
         an outcome could not be recorded or a worker process failed.
@@ -531,7 +533,7 @@ class Spool:
         from .output import as_log  # imported here: start-up speed (as the worker)
 
         self._open(create=True)
-        options = dict(handlers=dict(handlers or {}), max_time=max_time, watch=watch, poll=poll, log=as_log(log))
+        options = dict(handlers=dict(handlers or {}), max_time=max_time, watch=watch, poll=poll, log=as_log(log), tuning=tuning)
         if processes and max_jobs is not None:
             jobs = max(1, min(jobs, max_jobs))  # no worker process without a job to claim; one still recovers
         if processes and jobs > 1:
@@ -546,12 +548,13 @@ class Spool:
         return WorkResult(ran, not worker.failed_to_record)
 
     def _worker(self, **options: Any):
-        """A Worker on this spool: its context (the shared settings) and
-        this spool's compaction, nothing more of the facade."""
-        from .worker import Worker  # imported here: start-up speed (the worker pulls in the runner and the watcher)
+        """A Worker on this spool: the spool directory as its store (with the
+        shared settings) and this spool's compaction, nothing more of the facade."""
+        from .store import DirStore  # imported here: start-up speed (the store pulls in the runner and the watcher)
+        from .worker import Worker  # (as the store)
 
         self._open(create=True)
-        return Worker(self.context(), compact=self.compact, **options)
+        return Worker(DirStore(self.context()), compact=self.compact, **options)
 
 
 class WorkResult(int):

@@ -7,6 +7,13 @@ job itself (no threads, the cheapest path); with ``jobs=N`` it hands claimed
 jobs to N slot threads and claims only when a slot is free. (``spoolq work
 -j N`` runs N processes of ``jobs=1`` instead: see pool.py.)
 
+The worker is in parts: this module's dispatcher (passes, claims, waits,
+signals, compaction); strategies.py's Serial (-j 1, with its pipelining)
+and Slots (-j N); outcomes.py's Recorder (a run's outcome into the store);
+commit.py's GroupCommit (outcomes made durable, then logged); and the
+storage itself only through store.py's Store interface. ``Tuning`` holds
+the timings of the pipelining and the group commit, passed in.
+
 A drain ends when a pass claims nothing and no job finished since it began
 (a file locked by someone else cannot make it spin). In watch mode the
 dispatcher sleeps instead, until the watcher, the next due time, a finished
@@ -22,30 +29,29 @@ end the process and leave its registration and jobs behind).
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
-import queue
 import signal
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
-from . import config, linux, procs, recovery, transitions
+from . import config, linux, procs
+from .commit import COMMIT_JOBS, COMMIT_SECONDS, GroupCommit
 from .errors import ForcedStop
+from .outcomes import Recorder
 from .output import Log, as_log, log_what_waits, quoted  # noqa: F401 - Log, log_what_waits: importable from here too
 from .protocol import Entry
 from .registry import Registration
-from .runner import STOPPED_NOW, Limits, Outcome, RunHandle, RunPlan, call_handler, close_all, fork_handler, inheritable_fds, make_outputs, run_process
+from .runner import STOPPED_NOW, Limits, Outcome, RunHandle, RunPlan, call_handler, fork_handler, inheritable_fds, run_process
+from .store import WRITER_GRACE, Claimed, Store
+from .strategies import Serial, Slots
 from .waker import Waker
-from .watcher import make_waker
 
 # Due entries kept per pass: memory stays bounded (~50 MB) however many
 # files wait; a backlog larger than this takes a pass per SCAN_LIMIT jobs.
 SCAN_LIMIT = 200_000
-COMMIT_JOBS = 64  # group commit: at most this many finished jobs share one folder fsync ...
-COMMIT_SECONDS = 0.05  # ... and none waits longer than this for it
-COMPLETE_PER_JOB = 2  # -j 1: synced jobs moved on beside each job's run (see _side_commit_work)
 # -j 1 prepares the next job while the current one's process runs; a job
 # still running after this long lets the next one go again.
 LOOK_AHEAD_HOLD = 0.005
@@ -63,7 +69,6 @@ BUSY_RETRIES = 100
 # and the machine's load average is below its CPU count; else polling
 # would take the CPU from a job.
 SPIN_WINDOW = 0.002
-SPIN_RECOUNT_SECONDS = 1.0  # how often the live workers on the spool are counted again for that
 COMPACT_CHECK_JOBS = 1000  # count done/ for auto-compaction after this many jobs ...
 COMPACT_CHECK_SECONDS = 60.0  # ... or this long
 READ_AHEAD = 256  # a pass whose files went cold is read ahead by up to this many files ...
@@ -86,12 +91,12 @@ class ReadAhead:
     an eighth of PROBE_CLAIMS claims were slow reads, and a pass with a
     warm cache never pays it; a new pass (a new scan) decides anew."""
 
-    def __init__(self, spool_dir: Any, entries: list[Entry]):
-        self.dir = spool_dir
+    def __init__(self, store: Store, entries: list[Entry]):
+        self.store = store
         self.entries = entries
         self.on = False
         self.read_to = 0  # entries before this index were handed to prefetch
-        self.slow_seen = spool_dir.slow_reads
+        self.slow_seen = store.slow_reads()
         self.next_probe = PROBE_CLAIMS
 
     def before(self, pos: int) -> None:
@@ -99,7 +104,8 @@ class ReadAhead:
         if not self.on:
             if pos < self.next_probe:
                 return
-            slow, self.slow_seen = self.dir.slow_reads - self.slow_seen, self.dir.slow_reads
+            reads = self.store.slow_reads()
+            slow, self.slow_seen = reads - self.slow_seen, reads
             self.next_probe = pos + PROBE_CLAIMS
             if slow * 8 < PROBE_CLAIMS:
                 return
@@ -107,15 +113,38 @@ class ReadAhead:
         if self.read_to - pos < READ_AHEAD // 2:
             start = max(self.read_to, pos)
             self.read_to = min(len(self.entries), pos + READ_AHEAD)
-            self.dir.prefetch(self.entries[start:self.read_to])
+            self.store.prefetch(self.entries[start:self.read_to])
+
+
+def _load_average() -> float:
+    return os.getloadavg()[0]
+
+
+@dataclass
+class Tuning:
+    """The timings of a worker's pipelining and group commit, passed in
+    (``Spool.work(tuning=Tuning(...))``) so that a test can stretch them
+    however slow its host is; the defaults are what every worker uses."""
+
+    # -j 1 prepares the next job while the current one's process runs; a
+    # job still running after this long lets the next one go again.
+    look_ahead_hold: float = LOOK_AHEAD_HOLD
+    # Finished jobs wait at most this long for their group sync.
+    commit_seconds: float = COMMIT_SECONDS
+    # -j 1 polls for a short job's exit this long after the spawn (see SPIN_WINDOW).
+    spin_window: float = SPIN_WINDOW
+    # The machine's load average, which decides whether polling may take a CPU.
+    load_average: Callable[[], float] = _load_average
+    # Due entries kept per pass (see SCAN_LIMIT).
+    scan_limit: int = SCAN_LIMIT
 
 
 class Worker:
-    """Runs jobs from one spool until it is drained (or stopped, in watch mode)."""
+    """Runs jobs from one store until it is drained (or stopped, in watch mode)."""
 
     def __init__(
         self,
-        ctx: transitions.Context,
+        store: Store,
         handlers: dict[str, Callable[[Any], Any]] | None = None,
         jobs: int = 1,
         max_jobs: int | None = None,
@@ -130,15 +159,16 @@ class Worker:
         pool_parent: int | None = None,
         processes: int = 1,
         compact: Callable[[], dict[str, Any]] | None = None,
+        tuning: Tuning | None = None,
     ):
-        """``ctx``: the spool directory and its settings (a config.Settings,
+        """``store``: the jobs and their settings (a config.Settings,
         reloaded in place on SIGHUP); ``compact``: folds done/ into the
-        index with those settings (automatic compaction; None: never)."""
+        index with those settings (automatic compaction; None: never).
+        (Long: one attribute a line, each with why it is kept.)"""
         if jobs < 1:
             raise ValueError("jobs must be at least 1")
-        self.ctx = ctx
-        self.dir = ctx.spool
-        self.settings = ctx.settings
+        self.store = store
+        self.settings = store.settings
         self.compact = compact
         self.handlers = dict(handlers or {})
         self.jobs = jobs
@@ -161,86 +191,46 @@ class Worker:
         self.processes = processes  # worker processes of the same command, this one included
         self.recover = recover
         self.waker = waker
+        self.tuning = tuning or Tuning()
         self.ran = 0
         self.registration: Registration | None = None
         self.failed_to_record = False
+        self.stopping = False
+        self.active = 0
+        self.pass_left: tuple[list[Entry], int] = ([], 0)  # the dispatcher's pass and where it is in it
         self._claimed = 0
-        self._active = 0
         self._finished_since_scan = 0
-        self._stopping = False
         self._forced = False
         self._stop_signals = 0
-        self._threads: list[threading.Thread] = []
         self._deadline: float | None = None
         self._lock = threading.RLock()  # re-entrant: the signal handler takes it too
         self._running: dict[int, RunHandle] = {}  # thread id -> the run it is doing
-        # A token per free slot, and claimed jobs on their way to a slot:
-        # SimpleQueue, written in C, hands over with far fewer switches
-        # between threads than Semaphore and Queue (Python on a Condition).
-        self._slot_free: queue.SimpleQueue = queue.SimpleQueue()
-        for _ in range(jobs):
-            self._slot_free.put(True)
-        self._handoff: queue.SimpleQueue = queue.SimpleQueue()
-        # Group commit (fsync on, any -j): outcomes whose folder fsyncs are
-        # deferred, logged only once synced. At most COMMIT_JOBS jobs or
-        # COMMIT_SECONDS wait for a sync.
-        self._uncommitted: list[tuple] = []
-        self._uncommitted_lock = threading.Lock()  # the lists only: held for no system call
-        # Finished jobs whose new record is staged beside them in cur/, not
-        # yet synced (transitions.finish(stage=True)): a commit syncs all of
-        # them at once, then moves them on. Each holds two descriptors; a
-        # commit comes once _stage_max (a sixteenth of the open-file limit)
-        # are synced, or twice that staged, so at most ~a quarter of the
-        # limit is theirs.
-        self._staged: list[tuple[transitions.Claimed, Outcome, int, str, float | None]] = []
-        self._staged_since = 0.0
-        self._synced: collections.deque = collections.deque()  # (when staged, staged item), to move on
-        self._sync_wanted = threading.Event()  # -j 1 asks the committer thread to sync the staged records
-        self._stage_max = max(1, min(COMMIT_JOBS, procs.open_file_limit() // 16))
-        self._commit_lock = threading.Lock()  # one commit at a time (held across its fsyncs)
-        # -j 1: the outcome of the last process job, recorded once the next
-        # job's process has started (see _run_one), or when the dispatcher
-        # pauses or stops.
-        self._unrecorded: tuple[transitions.Claimed, Outcome] | None = None
-        # -j 1: the next entry of the pass, prepared (locked and read, not
-        # yet renamed into cur/) while the current job's process runs.
-        self._pass: tuple[list[Entry], int] = ([], 0)
-        self._ahead: tuple[Entry, transitions.Claimed | None] | None = None
+        self.strategy: Serial | Slots = Serial(self, self.tuning) if jobs == 1 else Slots(self, jobs)
+        # Each staged job holds two descriptors; a commit comes once a
+        # sixteenth of the open-file limit are synced, or twice that staged,
+        # so at most ~a quarter of the limit is theirs.
+        self.recorder = Recorder(self)
+        self.record = self.recorder.record
+        self.commit = GroupCommit(store, max(1, min(COMMIT_JOBS, procs.open_file_limit() // 16)), self.tuning.commit_seconds,
+                                  self.recorder.moved, self.recorder.log_outcome, self.recorder.cannot_record)
         self._spawn_closes: list[int] = []
-        # -j 1: the next process job's output files, made while the current
-        # one runs, and the last one's, closed once the next has started.
-        self._spare_outputs: tuple[int, int] | None = None
-        self._spent_fds: list[int] = []
-        # -j 1: whether there is a CPU to spare for polling (see SPIN_WINDOW),
-        # counted again every SPIN_RECOUNT_SECONDS, and whether the last job was short.
-        self._cpus = procs.usable_cpus()
-        self._spin_ok = False
-        self._spin_counted = -SPIN_RECOUNT_SECONDS
-        self._last_short = True
         self._busy_this_pass = 0  # due files another process held when we tried them
         # When the first file this pass left for its writer to finish (see
         # transitions.WRITER_GRACE) is to be looked at again: no event may
         # come to say so. And the (name, time) already logged, to log each once.
         self._later_ns: int | None = None
         self._later_logged: set[tuple[str, int]] = set()
-        # (Tests lengthen the hold to catch a worker killed while it holds one.)
-        self._look_ahead_hold = float(os.environ.get("SPOOLQ_TEST_LOOK_AHEAD_HOLD") or LOOK_AHEAD_HOLD)
-        # (And lengthen the commit interval, to count the syncs jobs share however slow the host.)
-        self._commit_seconds = float(os.environ.get("SPOOLQ_TEST_COMMIT_SECONDS") or COMMIT_SECONDS)
-        # (And widen the polling window, to see it used however slow the host.)
-        self._spin_window = float(os.environ.get("SPOOLQ_TEST_SPIN_WINDOW") or SPIN_WINDOW)
-        # (And stand in for the load average, which the test suite itself raises.)
-        self._test_load = os.environ.get("SPOOLQ_TEST_LOADAVG")
         self._next_compact_ran = 0
         self._next_compact_time = 0.0
+        self._default_limits: tuple[int, Limits] | None = None
         self._base_env = dict(os.environ)
-        self._base_env["SPOOLQ_SPOOL"] = self.dir.root
+        self._base_env["SPOOLQ_SPOOL"] = store.root
 
     # -- control -----------------------------------------------------------
 
     def stop(self, force: bool = False) -> None:
         """Stop claiming; with ``force`` also kill the running jobs."""
-        self._stopping = True
+        self.stopping = True
         if force:
             self._forced = True
             self._kill_running()
@@ -270,7 +260,7 @@ class Worker:
         verbosity, stopping = 1, STOPPING
         if signum in RELAYED_SIGNALS:
             if not self.relayed:
-                self.log.line(f"worker={self._wid} signal={name} ignored: this worker stops on SIGTERM or SIGINT", 0, logging.WARNING)
+                self.log.line(f"worker={self.wid} signal={name} ignored: this worker stops on SIGTERM or SIGINT", 0, logging.WARNING)
                 return
             level = 1 if signum == signal.SIGUSR1 else 2
             verbosity = 2
@@ -291,10 +281,10 @@ class Worker:
         self._stop_signals = level
         if level == 1:
             self.stop()
-            self.log.line(f"worker={self._wid} stopping on {name}: {stopping}", verbosity)
+            self.log.line(f"worker={self.wid} stopping on {name}: {stopping}", verbosity)
             return
         self.stop(force=True)
-        self.log.line(f"worker={self._wid} stopping now on {name}: {STOPPING_NOW}", 0 if verbosity == 1 else verbosity,
+        self.log.line(f"worker={self.wid} stopping now on {name}: {STOPPING_NOW}", 0 if verbosity == 1 else verbosity,
                       logging.WARNING)
         handle = self._running.get(threading.main_thread().ident)
         if handle is not None and handle.inline:
@@ -305,113 +295,98 @@ class Worker:
         try:
             self.settings.reload()  # the holder every reader shares (the spool's fsync flag follows it)
         except (config.ConfigError, OSError) as e:  # e.g. config.json made unreadable
-            self.log.line(f"worker={self._wid} reload failed: {e}", 0)
+            self.log.line(f"worker={self.wid} reload failed: {e}", 0)
             return
         if self.waker:
             self.waker.rescan_interval = self._rescan_interval()
             self.waker.wake()
-        self.log.line(f"worker={self._wid} reloaded config.json", 1)
+        self.log.line(f"worker={self.wid} reloaded config.json", 1)
 
     @property
-    def _wid(self) -> str:
+    def wid(self) -> str:
         return self.registration.worker_id if self.registration else "-"
 
     def _rescan_interval(self) -> float:
         if self.poll:
             return float(self.poll)
-        return float(self.ctx.settings["rescan_interval"])
+        return float(self.settings["rescan_interval"])
 
     # -- main --------------------------------------------------------------
 
     def run(self) -> int:
         """Recover, then run jobs; returns how many ran."""
-        sp_dir = self.dir
-        sp_dir.open(create=True)
-        self.registration = Registration(sp_dir)
-        self.registration.open()
+        store = self.store
+        store.open()
+        self.registration = store.register()
         self.registration.start_flusher()
         old_handlers = {}
         if self.signals and threading.current_thread() is threading.main_thread():
             for sig in procs.DIRECT_SIGNALS + RELAYED_SIGNALS:
                 if self.relayed or sig not in RELAYED_SIGNALS or signal.getsignal(sig) == signal.SIG_DFL:
                     old_handlers[sig] = signal.signal(sig, self._on_signal)
-        threads: list[threading.Thread] = []
+        committer_stop = threading.Event()
         try:
             if self.max_time is not None:
                 self._deadline = time.monotonic() + self.max_time
             if self.recover:
                 self._recover()
             if self.waker is None:
-                if self.watch:
-                    self.waker = make_waker(sp_dir, poll=self.poll, log=self.log)
-                else:
-                    self.waker = Waker()
+                self.waker = store.waker(self.poll, self.log) if self.watch else Waker()
             self.waker.rescan_interval = self._rescan_interval()
             self.waker.start()
-            committer_stop = threading.Event()
+            # With -j 1 the dispatcher moves staged jobs on between its jobs;
+            # the committer takes them only once they were staged twice the
+            # interval ago (the dispatcher is then busy with a long job).
+            staged_age = self.tuning.commit_seconds * self.strategy.staged_factor
             with procs.signals_to_main_thread():
-                threading.Thread(target=self._committer, args=(committer_stop,), name="spoolq-commit", daemon=True).start()
-            if self.jobs > 1:
-                for i in range(self.jobs):
-                    t = threading.Thread(target=self._slot, name=f"spoolq-slot-{i}", daemon=True)
-                    t.start()
-                    threads.append(t)
-                self._threads = threads
+                threading.Thread(target=self.commit.run, args=(committer_stop, staged_age, self._commit_failed),
+                                 name="spoolq-commit", daemon=True).start()
+            self.strategy.start()
             self._dispatch()
         finally:
             # Whether the dispatcher returned or failed (an exception, Ctrl-C
             # in a program that calls Spool.work): let the prepared job go,
             # let the slots finish what they run, then record and commit the
             # last outcomes (the slots' too, when the dispatcher failed).
-            self._drop_ahead()
-            for _ in threads:
-                self._handoff.put(None)
-            for t in threads:
-                while t.is_alive():
-                    t.join(0.5)
             try:
-                self._record_unrecorded()
-                self._commit()
+                self.strategy.drain()
+                self.commit.commit()
             except Exception as e:
-                self.log.line(f"worker={self._wid} cannot record the last outcome: {e}", 0)
-            if "committer_stop" in locals():
-                committer_stop.set()
-                self._sync_wanted.set()  # (wakes it)
+                self.log.line(f"worker={self.wid} cannot record the last outcome: {e}", 0)
+            self.commit.stop(committer_stop)
             if self.waker:
                 self.waker.stop()
             for sig, old in old_handlers.items():
                 signal.signal(sig, old)
-            sp_dir.drop_spares()
-            close_all(self._spent_fds)
-            if self._spare_outputs is not None:
-                close_all(list(self._spare_outputs))
-                self._spare_outputs = None
+            store.close()
+            self.strategy.close()
             self.registration.close()
         return self.ran
 
+    def _commit_failed(self, e: Exception) -> None:
+        self.log.line(f"worker={self.wid} commit failed: {e}", 0)
+
     def _recover(self) -> None:
         try:
-            report = recovery.recover(self.ctx)
-            removed = self.dir.remove_tmp()
-            self.dir.remove_stale_spares()
+            report, removed = self.store.recover()
         except Exception as e:  # recovery failing must not keep jobs from running
-            self.log.line(f"worker={self._wid} recovery failed: {type(e).__name__}: {e}", 0)
+            self.log.line(f"worker={self.wid} recovery failed: {type(e).__name__}: {e}", 0)
             return
         if report.recovered or report.dead or report.completed or report.quarantined or report.killed:
             self.log.line(
-                f"worker={self._wid} recovered: failed={report.recovered} dead={report.dead} "
+                f"worker={self.wid} recovered: failed={report.recovered} dead={report.dead} "
                 f"completed={report.completed} quarantined={report.quarantined} killed={report.killed}",
                 0, logging.ERROR if report.dead else logging.WARNING,
             )
         if report.left_running:
-            self.log.line(f"worker={self._wid} left {report.left_running} jobs of dead workers in cur/: "
+            self.log.line(f"worker={self.wid} left {report.left_running} jobs of dead workers in cur/: "
                           "their processes still run and are another user's to kill (recovered by the first recovery after they end)", 0,
                           logging.WARNING)
         if removed:
-            self.log.line(f"worker={self._wid} removed {removed} stale tmp/ files", 1)
+            self.log.line(f"worker={self.wid} removed {removed} stale tmp/ files", 1)
 
-    def _may_claim(self) -> bool:
-        if self._stopping:
+    def may_claim(self) -> bool:
+        if self.stopping:
             return False
         if self.max_jobs is not None and self._claimed >= self.max_jobs:
             return False
@@ -419,100 +394,108 @@ class Worker:
             return False
         return True
 
+    # -- the dispatcher ----------------------------------------------------
+
     def _dispatch(self) -> None:
-        sp = self.dir
-        waker = self.waker
+        """Claim the due entries of each pass in order and hand them to the
+        strategy; between passes, wait or end (see _between_passes)."""
+        store, strategy, commit = self.store, self.strategy, self.commit
         entries: list[Entry] = []
-        read_ahead = ReadAhead(sp, entries)
+        read_ahead = ReadAhead(store, entries)
         pos = 0
-        claimed_this_pass = 0
-        next_due: int | None = None
+        self._pass_claims = 0
+        self._next_due: int | None = None
+        self._busy_rounds = 0
         first = True
-        busy_rounds = 0
-        while self._may_claim():
+        while self.may_claim():
             if pos >= len(entries):
-                self._record_unrecorded()  # before pausing, compacting or scanning
-                close_all(self._spent_fds)
-                if claimed_this_pass:
-                    busy_rounds = 0
-                if not first and claimed_this_pass == 0 and self._finished_since_scan == 0:
-                    # Nothing changed since the last look.
-                    self._commit()
-                    if self._finished_since_scan:
-                        pass  # staged jobs moved on since (a retry may be due at once): look again
-                    elif self._busy_this_pass and busy_rounds < BUSY_RETRIES:
-                        # Another worker held a due file for a moment: it was
-                        # claiming it, or prepared it ahead and may let it go.
-                        # No event will say so; look again soon, rather than
-                        # sleep or end the drain with it still waiting.
-                        busy_rounds += 1
-                        waker.wait(BUSY_RETRY_DELAY)
-                    elif not self.watch and self._active == 0 and self._later_ns is None:
-                        break
-                    else:
-                        self.registration.flush()
-                        waker.wait(self._sleep_for(next_due, self._later_ns))
-                    if not self._may_claim():
-                        break
-                self._maybe_compact()
-                waker.clear()
-                waker.check()
-                with self._lock:
-                    self._finished_since_scan = 0
-                self._busy_this_pass = 0
-                self._later_ns = None
-                # Jobs inherit stdin, stdout and stderr only: whatever else is
-                # open without close-on-exec (from whoever started us, or
-                # watchdog's inotify descriptor) is closed in every job's
-                # process. Looked up once a pass, not once a job.
-                self._spawn_closes = inheritable_fds()
-                scan = sp.scan(time.time_ns(), SCAN_LIMIT)
-                entries, pos, next_due = scan.due, 0, scan.next_due_ns
-                read_ahead = ReadAhead(sp, entries)
-                claimed_this_pass = 0
+                if not self._between_passes(first):
+                    break
                 first = False
-                self.log.line(f"worker={self._wid} scan due={len(entries)}", 2)
+                entries, pos = self._scan(), 0
+                read_ahead = ReadAhead(store, entries)
                 continue
             read_ahead.before(pos)
             entry = entries[pos]
             pos += 1
-            if (len(self._uncommitted) >= COMMIT_JOBS or len(self._staged) >= self._stage_max * (2 if self.jobs == 1 else 1)
-                    or len(self._synced) >= self._stage_max):
-                self._commit()
-            if self.jobs > 1 and not self._acquire_slot():
+            if commit.full(strategy.staged_factor):
+                commit.commit()
+            if not strategy.ready():
                 break
-            ahead = self._ahead
-            try:
-                if ahead is not None and ahead[0] is entry:
-                    self._ahead = None
-                    ready = ahead[1]  # prepared while the last job ran
-                    claimed = transitions.take(ready, time.time_ns(), self._on_quarantine) if ready else None
-                else:
-                    self._drop_ahead()
-                    claimed = transitions.claim(self.ctx, entry, time.time_ns(), self._on_quarantine, self._on_busy,
-                                                self._on_later)
-            except Exception as e:  # a claim never takes the worker down; the file stays put
-                self.log.line(f"worker={self._wid} cannot claim {entry.state}/{entry.name}: {type(e).__name__}: {e}", 0)
-                claimed = None
+            claimed = self._claim(entry)
             if claimed is None:
-                if self.jobs > 1:
-                    self._slot_free.put(True)
+                strategy.unused()
                 continue
-            claimed_this_pass += 1
+            self._pass_claims += 1
             self._claimed += 1
             with self._lock:
-                self._active += 1
-            if self.jobs == 1:
-                self._pass = (entries, pos)
-                self._execute(claimed)
+                self.active += 1
+            self.pass_left = (entries, pos)
+            strategy.execute(claimed)
+        commit.commit()
+        strategy.wait_running()
+        commit.commit()
+
+    def _between_passes(self, first: bool) -> bool:
+        """At the end of a pass: commit, then wait for something to change
+        (or a moment, when another worker held a due file); False when a
+        drain is over or the worker stops. Then compact if due."""
+        self.strategy.idle()  # before pausing, compacting or scanning
+        if self._pass_claims:
+            self._busy_rounds = 0
+        if not first and self._pass_claims == 0 and self._finished_since_scan == 0:
+            # Nothing changed since the last look.
+            self.commit.commit()
+            if self._finished_since_scan:
+                pass  # staged jobs moved on since (a retry may be due at once): look again
+            elif self._busy_this_pass and self._busy_rounds < BUSY_RETRIES:
+                # Another worker held a due file for a moment: it was
+                # claiming it, or prepared it ahead and may let it go.
+                # No event will say so; look again soon, rather than
+                # sleep or end the drain with it still waiting.
+                self._busy_rounds += 1
+                self.waker.wait(BUSY_RETRY_DELAY)
+            elif not self.watch and self.active == 0 and self._later_ns is None:
+                return False
             else:
-                self._handoff.put(claimed)
-        self._commit()
-        # Let the running jobs end (killed ones too, after a second signal).
-        while self._active > 0 and any(t.is_alive() for t in self._threads):
-            self.waker.wait(0.2)
-            self.waker.clear()
-        self._commit()
+                self.registration.flush()
+                self.waker.wait(self._sleep_for(self._next_due, self._later_ns))
+            if not self.may_claim():
+                return False
+        self._maybe_compact()
+        return True
+
+    def _scan(self) -> list[Entry]:
+        """List the due entries for a new pass."""
+        waker = self.waker
+        waker.clear()
+        waker.check()
+        with self._lock:
+            self._finished_since_scan = 0
+        self._busy_this_pass = 0
+        self._later_ns = None
+        self._pass_claims = 0
+        # Jobs inherit stdin, stdout and stderr only: whatever else is
+        # open without close-on-exec (from whoever started us, or
+        # watchdog's inotify descriptor) is closed in every job's
+        # process. Looked up once a pass, not once a job.
+        self._spawn_closes = inheritable_fds()
+        scan = self.store.scan(time.time_ns(), self.tuning.scan_limit)
+        self._next_due = scan.next_due_ns
+        self.log.line(f"worker={self.wid} scan due={len(scan.due)}", 2)
+        return scan.due
+
+    def _claim(self, entry: Entry) -> Claimed | None:
+        try:
+            hit, claimed = self.strategy.claim_ahead(entry)  # prepared while the last job ran
+            if not hit:
+                claimed = self.store.prepare(entry, time.time_ns(), self.on_quarantine, self.on_busy, self.on_later)
+                if claimed is not None:
+                    claimed = self.store.take(claimed, time.time_ns(), self.on_quarantine)
+        except Exception as e:  # a claim never takes the worker down; the file stays put
+            self.log.line(f"worker={self.wid} cannot claim {entry.state}/{entry.name}: {type(e).__name__}: {e}", 0)
+            return None
+        return claimed
 
     def _maybe_compact(self) -> None:
         """Fold done/ into the index when it holds more than compact_after
@@ -527,14 +510,14 @@ class Worker:
         self._next_compact_ran = self.ran + max(1, min(COMPACT_CHECK_JOBS, limit // 10))
         self._next_compact_time = now + COMPACT_CHECK_SECONDS
         try:
-            if self.dir.count("done") <= limit:
+            if self.store.count_done() <= limit:
                 return
-            self._commit()
+            self.commit.commit()
             result = self.compact()
         except Exception as e:  # the index is history: never stop the worker for it
-            self.log.line(f"worker={self._wid} compaction failed: {e}", 0)
+            self.log.line(f"worker={self.wid} compaction failed: {e}", 0)
             return
-        self.log.line(f"worker={self._wid} compacted {result['folded']} jobs into index.db in {result['seconds']}s", 1)
+        self.log.line(f"worker={self.wid} compacted {result['folded']} jobs into index.db in {result['seconds']}s", 1)
 
     def _sleep_for(self, next_due: int | None, later: int | None = None) -> float | None:
         """How long the dispatcher may sleep: until the next due time (watch
@@ -553,33 +536,10 @@ class Worker:
             timeout = left if timeout is None else min(timeout, left)
         return timeout
 
-    def _acquire_slot(self) -> bool:
-        while True:
-            try:
-                self._slot_free.get(timeout=0.2)
-                break
-            except queue.Empty:
-                if self._stopping:
-                    return False
-        if not self._may_claim():
-            self._slot_free.put(True)
-            return False
-        return True
-
-    def _slot(self) -> None:
-        while True:
-            claimed = self._handoff.get()
-            if claimed is None:
-                return
-            try:
-                self._execute(claimed)
-            except BaseException as e:  # e.g. a ForcedStop delivered late: keep the slot alive
-                self.log.line(f"worker={self._wid} slot error: {type(e).__name__}: {e}", 0)
-
-    def _on_busy(self) -> None:
+    def on_busy(self) -> None:
         self._busy_this_pass += 1
 
-    def _on_later(self, name: str, when_ns: int) -> None:
+    def on_later(self, name: str, when_ns: int) -> None:
         if self._later_ns is None or when_ns < self._later_ns:
             self._later_ns = when_ns
         if (name, when_ns) in self._later_logged:
@@ -588,95 +548,64 @@ class Worker:
             self._later_logged.clear()
         self._later_logged.add((name, when_ns))
         wait = max(0.0, when_ns / 1e9 - time.time())
-        self.log.line(f"worker={self._wid} job={name} not a whole job yet and changed less than "
-                      f"{transitions.WRITER_GRACE:g}s ago: left in new/ for its writer to finish, looked at again "
+        self.log.line(f"worker={self.wid} job={name} not a whole job yet and changed less than "
+                      f"{WRITER_GRACE:g}s ago: left in new/ for its writer to finish, looked at again "
                       f"in {wait:.1f}s (a file written in tmp/ and renamed into new/ never waits)", 1)
 
-    def _on_quarantine(self, name: str, reason: str) -> None:
-        self.log.line(f"worker={self._wid} job={name} outcome=dead state=dead error={quoted(reason)}", 0)
+    def on_quarantine(self, name: str, reason: str) -> None:
+        self.log.line(f"worker={self.wid} job={name} outcome=dead state=dead error={quoted(reason)}", 0)
 
     # -- one job -----------------------------------------------------------
 
-    def _execute(self, claimed: transitions.Claimed) -> None:
+    def execute(self, claimed: Claimed) -> None:
+        """Run a claimed job and record its outcome (by the strategy)."""
         try:
             self._run_one(claimed)
         finally:
             with self._lock:
-                self._active -= 1
+                self.active -= 1
                 self._finished_since_scan += 1
-            if self.jobs > 1:
-                self._slot_free.put(True)
-                self.waker.wake()  # the dispatcher may be waiting for a finish
 
     def _limits(self, job: dict) -> Limits:
-        s = self.ctx.settings
+        """A job's limits: its own timeout, else the settings' (built once
+        per settings generation: most jobs use them as they are)."""
+        s = self.settings
+        generation = getattr(s, "generation", 0)
+        if self._default_limits is None or self._default_limits[0] != generation:
+            self._default_limits = (generation, Limits(float(s["timeout"]), float(s["timeout_grace"]), int(s["output_limit"])))
+        limits = self._default_limits[1]
         timeout = job.get("timeout")
         if timeout is None:
-            timeout = s["timeout"]
-        return Limits(float(timeout), float(s["timeout_grace"]), int(s["output_limit"]))
+            return limits
+        return Limits(float(timeout), limits.grace, limits.output_limit)
 
-    def _run_one(self, claimed: transitions.Claimed) -> None:
+    def _run_one(self, claimed: Claimed) -> None:
         job = claimed.job
         job_id = claimed.job_id
-        attempt = claimed.attempt
         reg = self.registration
         thread_id = threading.get_ident()
         handle = RunHandle()
         limits = self._limits(job)
-        inline = job.get("kind") is not None and limits.timeout <= 0
+        kind = job.get("kind")
+        inline = kind is not None and limits.timeout <= 0
         try:
-            reg.job_started(job_id, attempt)
+            reg.job_started(job_id, claimed.attempt)
         except OSError as e:
-            self.log.line(f"worker={self._wid} job={job_id} cannot register the run: {e}", 0)
+            self.log.line(f"worker={self.wid} job={job_id} cannot register the run: {e}", 0)
         with self._lock:
             self._running[thread_id] = handle
-        if inline:
-            self._record_unrecorded()  # not held back while a handler runs
-
-        def spawned(pid: int, window: tuple[int, int]) -> None:
-            try:
-                reg.job_spawned(job_id, pid, window)
-            finally:
-                # While this process starts up and runs, record the job before
-                # it and prepare the one after: with -j 1 that work then costs
-                # no time of its own.
-                self._record_unrecorded()
-                if self.jobs == 1:
-                    self._side_commit_work()
-                self._look_ahead()
-                if self.jobs == 1:
-                    close_all(self._spent_fds)
-                    if self._spare_outputs is None:
-                        try:
-                            self._spare_outputs = make_outputs()
-                        except OSError:
-                            pass  # the next job makes its own (and reports why it cannot)
-
-        # A job still running after the hold must not keep the next one locked.
-        on_slow = (self._look_ahead_hold, self._drop_ahead) if self.jobs == 1 else None
-        plan = RunPlan(limits, handle, spawned, on_slow)
-
-        out: Outcome
         run_began = time.time()  # what a stopped run's record says it started at
+        out: Outcome
         try:
             if self._forced:
                 handle.interrupted = True
-            if job.get("kind") is not None:
-                handler = self.handlers.get(job["kind"])
-                if self._forced:
-                    out = Outcome(start=run_began, end=run_began, error=STOPPED_NOW, interrupted=True, not_started=True)
-                elif inline:
-                    out = call_handler(handler, job, limits, handle)
-                else:
-                    out = fork_handler(handler, job, plan)
+            if kind is not None and self._forced:
+                out = Outcome(start=run_began, end=run_began, error=STOPPED_NOW, interrupted=True, not_started=True)
+            elif inline:
+                self.strategy.before_inline()
+                out = call_handler(self.handlers.get(kind), job, limits, handle)
             else:
-                plan.env, plan.close, plan.threaded = self._env(job, attempt), self._spawn_closes, self.jobs > 1
-                if self.jobs == 1:
-                    plan.outputs, self._spare_outputs, plan.spent = self._spare_outputs, None, self._spent_fds
-                    plan.spin = self._spin_window if self._last_short and self._may_spin() else 0.0
-                began = time.monotonic()
-                out = run_process(job, plan)
-                self._last_short = time.monotonic() - began < self._spin_window
+                out = self._spawn(claimed, limits, handle)
         except ForcedStop:
             out = Outcome(start=run_began, end=time.time(), error=STOPPED_NOW, interrupted=True)
         except Exception as e:  # spoolq's own failure to run it: a failed run, not a dead worker
@@ -684,282 +613,39 @@ class Worker:
         finally:
             with self._lock:
                 self._running.pop(thread_id, None)
-        self._record_unrecorded()
-        if self.jobs == 1 and not inline and not self._stopping:
-            self._unrecorded = (claimed, out)
-        else:
-            self._record(claimed, out)
+        self.strategy.finished(claimed, out, inline)
 
-    def _may_spin(self) -> bool:
-        """Whether each worker process on the spool (of this command, or
-        registered by any other) and each one's job can have a CPU of those
-        this process may use, and the machine is not busier than its CPUs
-        (the load average, which counts any other work): then polling for
-        a short job's exit takes no CPU a job could use. (And it yields the
-        CPU between polls, so other work that turns up goes first.)"""
-        now = time.monotonic()
-        if now - self._spin_counted >= SPIN_RECOUNT_SECONDS:
-            self._spin_counted = now
+    def _spawn(self, claimed: Claimed, limits: Limits, handle: RunHandle) -> Outcome:
+        """Run a job in a process of its own: a forked handler, or a
+        command. The one place that builds the runner's arguments."""
+        job, job_id = claimed.job, claimed.job_id
+        reg, strategy = self.registration, self.strategy
+
+        def spawned(pid: int, window: tuple[int, int]) -> None:
             try:
-                workers = max(self.processes, self.dir.count("workers"))
-                load = float(self._test_load) if self._test_load else os.getloadavg()[0]
-            except OSError:
-                workers, load = self._cpus, float("inf")  # unknown: do not poll
-            # The load average is the whole machine's, so against all its CPUs.
-            self._spin_ok = self._cpus >= 2 * workers and load < (os.cpu_count() or 1)
-        return self._spin_ok
+                reg.job_spawned(job_id, pid, window)
+            finally:
+                strategy.beside_spawn()
 
-    def _look_ahead(self) -> None:
-        """-j 1: prepare the next entry of the pass (lock, read, validate;
-        see transitions.prepare) so that only its rename is left once the
-        running job ends. Nothing changes on disk, so a crash leaves nothing
-        to recover; a slow job lets it go after LOOK_AHEAD_HOLD."""
-        entries, pos = self._pass
-        if self.jobs != 1 or self._ahead is not None or pos >= len(entries) or not self._may_claim():
-            return
-        entry = entries[pos]
-        try:
-            ready = transitions.prepare(self.ctx, entry, time.time_ns(), self._on_quarantine, self._on_busy, self._on_later)
-        except Exception:
-            return  # the dispatcher will claim it the usual way and say what failed
-        self._ahead = (entry, ready)
+        plan = RunPlan(limits, handle, spawned, strategy.on_slow())
+        kind = job.get("kind")
+        if kind is not None:
+            return fork_handler(self.handlers.get(kind), job, plan)
+        plan.env, plan.close = self._env(job, claimed.attempt), self._spawn_closes
+        for name, value in strategy.process_options().items():
+            setattr(plan, name, value)
+        out = run_process(job, plan)
+        strategy.ran()
+        return out
 
-    def _drop_ahead(self) -> None:
-        """Let the prepared job go: only its lock, nothing was moved."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None and ahead[1] is not None:
-            ahead[1].held.release()
-
-    def _record_unrecorded(self) -> None:
-        """Record the outcome that waits for the next job's start (-j 1)."""
-        waiting, self._unrecorded = self._unrecorded, None
-        if waiting is not None:
-            self._record(*waiting)
-
-    def _record(self, claimed: transitions.Claimed, out: Outcome) -> None:
-        """Move a job out of cur/ by its outcome, then log it (at once, or
-        after the group commit has synced the move)."""
-        job_id, attempt = claimed.job_id, claimed.attempt  # (finish counts the attempt into the job)
-        reg = self.registration
-        defer = self.dir.fsync
-        if out.not_started and self._put_back(claimed):
-            return
-        try:
-            if not out.ok:  # a failed run's record must be known as this run's (a success needs no telling)
-                try:
-                    reg.ensure_listed(job_id)
-                except OSError:
-                    pass  # only a crash right after the record would count the run twice
-            dest, due = transitions.finish(self.ctx, claimed, out, reg.worker_id, defer_sync=defer, stage=defer)
-        except (Exception, ForcedStop) as e:
-            # The job stays in cur/ and its registration entry stays too, so
-            # recovery knows which run it was; this worker claims no more.
-            claimed.held.release()
-            self.failed_to_record = True
-            self._stopping = True
-            where = claimed.held.folder  # cur/, unless the move was made and only its sync failed
-            self.log.line(
-                f"worker={self._wid} job={job_id} error={quoted(f'cannot record the outcome: {type(e).__name__}: {e}')} "
-                + ("it stays in cur/ for recovery" if where == "cur" else f"it is in {where}/, not synced")
-                + "; the worker stops claiming",
-                0,
-            )
-            return
-        if claimed.held.staged is not None:  # moved on by the next commit
-            # A success or a dead end lets its registration entry go now, or
-            # every registration save would carry the staged jobs too:
-            # recovery knows those records by their state. A failed run keeps
-            # it until the move: its record swapped in but not moved on looks
-            # like the one it replaced, and the entry tells recovery which
-            # run it was.
-            if dest != "failed":
-                self._forget_run(job_id)
-            with self._uncommitted_lock:
-                if not self._staged:
-                    self._staged_since = time.monotonic()
-                self._staged.append((claimed, out, attempt, dest, due))
-            return
-        self._ended(claimed, out, attempt, dest, due)
-
-    def _put_back(self, claimed: transitions.Claimed) -> bool:
-        """A job claimed but stopped before it began (a second stop signal
-        between the two) goes back where it came from, as it was: no run
-        happened, so none is counted. False if it cannot (then it is
-        finished as an interrupted run, as before)."""
-        try:
-            folder = transitions.unclaim(claimed)
-        except Exception as e:
-            if claimed.held.folder == "cur":
-                return False  # not moved: finished as an interrupted run
-            # Moved back, but a sync after failed: as for any record that
-            # cannot be made durable, claim no more.
-            claimed.held.release()
-            self._forget_run(claimed.job_id)
-            self.failed_to_record = True
-            self._stopping = True
-            self.log.line(f"worker={self._wid} job={claimed.job_id} error={quoted(f'{type(e).__name__}: {e}')} "
-                          f"back in {claimed.held.folder}/ but not synced; the worker stops claiming", 0)
-            return True
-        self._forget_run(claimed.job_id)
-        self.log.line(f"worker={self._wid} job={claimed.job_id} not started: the worker was told to stop now; "
-                      f"back in {folder}/", 1)
-        return True
-
-    def _ended(self, claimed: transitions.Claimed, out: Outcome, attempt: int, dest: str, due: float | None) -> None:
-        """A job has left cur/: forget its run; log it now, or after the
-        folder syncs of the group commit."""
-        self._forget_run(claimed.job_id)
+    def moved(self, completed: bool) -> None:
+        """A job has left cur/ (``completed``: moved on by the group commit,
+        which counts as a finish for the dispatcher: a failed job may be due
+        again at once, and it could not see it while it waited in cur/)."""
         self.ran += 1
-        job = claimed.job
-        if self.dir.fsync:
-            with self._uncommitted_lock:  # not the commit lock: a slot never waits for an fsync here
-                self._uncommitted.append((job, out, attempt, dest, due))
-        else:
-            self._log_outcome(job, out, attempt, dest, due)
-
-    def _forget_run(self, job_id: str) -> None:
-        try:
-            self.registration.job_ended(job_id)
-        except OSError:
-            pass
-
-    def _commit(self, staged_age: float = 0.0) -> None:
-        """Sync and move on the staged jobs (those staged at least
-        ``staged_age`` seconds ago), fsync the folders of the deferred moves,
-        then log the finishes they cover: an outcome is durable before anyone
-        is told about it. Called by the dispatcher and by the committer thread."""
-        with self._commit_lock:
-            if not self._uncommitted and not self._staged and not self._synced and not self.dir.has_deferred:
-                return
-            if self._staged and time.monotonic() - self._staged_since >= staged_age:
-                self._sync_staged()
-            self._complete_synced(older_than=staged_age)
-            # Take the outcomes first: every one of them already has its moves
-            # in the deferred sets, which the sync below covers.
-            with self._uncommitted_lock:
-                pending, self._uncommitted = self._uncommitted, []
-            try:
-                self.dir.sync_deferred()
-            except OSError as e:
-                self.failed_to_record = True
-                self._stopping = True
-                self.log.line(f"worker={self._wid} error={quoted(f'cannot sync finished jobs: {e}')} the worker stops claiming", 0)
-                return
-        for item in pending:
-            self._log_outcome(*item)
-
-    # -- staged finishes (fsync on) ------------------------------------------
-    #
-    # A finished job's new record is staged beside it in cur/ (see
-    # transitions.finish), then made durable with one sync for many jobs,
-    # then swapped in and moved on (transitions.complete); the folders are
-    # fsynced and the outcomes logged by the next commit.
-
-    def _side_commit_work(self) -> None:
-        """-j 1, while the next job runs: move on a few synced jobs, and ask
-        the committer thread for a sync of the staged ones once there are
-        enough, they have waited the commit interval, or the last one ran
-        that long itself (such jobs gain little from sharing a sync).
-
-        The sync is the committer's: it blocks without using a CPU. The
-        moves are this thread's, a few per job: in the committer they would
-        take Python's lock from this thread at each of their many calls
-        (measured: ~400 us a job, against ~70 here)."""
-        if not self._staged and not self._synced:
-            return  # (fsync off, or nothing waits: no lock taken)
-        self._complete_synced(COMPLETE_PER_JOB)
-        if self._sync_wanted.is_set():
-            return
-        with self._uncommitted_lock:
-            staged, since = self._staged, self._staged_since
-        if staged and (len(staged) >= self._stage_max or staged[-1][1].end - staged[-1][1].start >= self._commit_seconds
-                       or time.monotonic() - since >= self._commit_seconds):
-            self._sync_wanted.set()
-
-    def _sync_staged(self) -> None:
-        """Make the staged records durable, one sync for all of them; they
-        then wait to be moved on."""
-        with self._uncommitted_lock:
-            staged, since, self._staged = self._staged, self._staged_since, []
-        if not staged:
-            return
-        try:
-            self.dir.sync_data([claimed.held.staged[1] for claimed, *_ in staged])
-        except BaseException as e:
-            for item in staged:
-                self._cannot_record(item, f"cannot sync finished jobs: {type(e).__name__}: {e}")
-            if isinstance(e, (Exception, ForcedStop)):
-                return
-            raise  # (Ctrl-C in a program that calls Spool.work: the jobs are let go first)
-        with self._uncommitted_lock:
-            self._synced.extend((since, item) for item in staged)
-
-    def _complete_synced(self, limit: int | None = None, older_than: float = 0.0) -> None:
-        """Swap in the synced records and move their jobs on: up to
-        ``limit``, of those staged at least ``older_than`` seconds ago.
-        Each counts as a finish for the dispatcher: a failed job may be due
-        again at once, and it could not see it while it waited in cur/."""
-        done = 0
-        while limit is None or done < limit:
-            with self._uncommitted_lock:
-                if not self._synced or time.monotonic() - self._synced[0][0] < older_than:
-                    return
-                item = self._synced.popleft()[1]
-            claimed, out, attempt, dest, due = item
-            try:
-                transitions.complete(claimed.held, dest, due)
-            except BaseException as e:
-                self._cannot_record(item, f"cannot record the outcome: {type(e).__name__}: {e}")
-                if isinstance(e, (Exception, ForcedStop)):
-                    continue
-                raise
-            self._ended(claimed, out, attempt, dest, due)
-            done += 1
+        if completed:
             with self._lock:
                 self._finished_since_scan += 1
-
-    def _cannot_record(self, item: tuple[transitions.Claimed, Outcome, int, str, float | None], why: str) -> None:
-        """A staged job that cannot be moved on stays in cur/ with its staged
-        record, unlocked, for recovery to complete; the worker stops."""
-        claimed = item[0]
-        claimed.held.drop_staged()
-        claimed.held.release()
-        self.failed_to_record = True
-        self._stopping = True
-        self.log.line(f"worker={self._wid} job={claimed.job_id} error={quoted(why)} "
-                      "it stays in cur/ for recovery; the worker stops claiming", 0)
-
-    def _committer(self, stop: threading.Event) -> None:
-        """Sync the staged records when asked to (-j 1), and commit whatever
-        has waited COMMIT_SECONDS, even while the next job runs (a long job
-        must not hold back the outcome of the one before)."""
-        # With -j 1 the dispatcher moves staged jobs on between its jobs; this
-        # thread takes them only once they were staged twice the interval ago
-        # (the dispatcher is then busy with a long job).
-        staged_age = self._commit_seconds * (2 if self.jobs == 1 else 1)
-        wanted = self._sync_wanted
-        while not stop.is_set():
-            wanted.wait(self._commit_seconds / 2)
-            if stop.is_set():
-                break
-            if wanted.is_set():
-                try:
-                    with self._commit_lock:  # a last commit waits for it, then sees what it synced
-                        self._sync_staged()
-                finally:
-                    wanted.clear()
-            sp = self.dir
-            # Outcomes may wait with nothing deferred: a slot's move that
-            # another commit synced just before the slot listed its outcome.
-            now = time.monotonic()
-            with self._uncommitted_lock:
-                synced_since = self._synced[0][0] if self._synced else now
-            if ((sp.has_deferred or self._uncommitted) and now - sp.unsynced_since >= self._commit_seconds) or (
-                    self._staged and now - self._staged_since >= staged_age) or now - synced_since >= staged_age:
-                try:
-                    self._commit(staged_age)
-                except Exception as e:
-                    self.log.line(f"worker={self._wid} commit failed: {e}", 0)
 
     def _env(self, job: dict, attempt: int) -> dict[str, str]:
         env = dict(self._base_env)
@@ -968,25 +654,6 @@ class Worker:
             env.update(extra)
         env["SPOOLQ_JOB_ID"] = job["id"]
         env["SPOOLQ_ATTEMPT"] = str(attempt)
-        env["SPOOLQ_SPOOL"] = self.dir.root
+        env["SPOOLQ_SPOOL"] = self.store.root
         env["SPOOLQ_WORKER"] = self.registration.worker_id
         return env
-
-    def _log_outcome(self, job: dict, out: Outcome, attempt: int, dest: str, due: float | None) -> None:
-        if getattr(self.log, "level", 2) < 1 and dest != "dead":  # (a line()-only object takes every line)
-            return
-        outcome = {"done": "succeeded", "failed": "failed", "dead": "dead"}[dest]
-        max_attempts = job.get("max_attempts") or self.ctx.settings["max_attempts"]
-        parts = [
-            f"worker={self._wid}",
-            f"job={job['id']}",
-            f"outcome={outcome}",
-            f"attempt={attempt}/{max_attempts}",
-            f"duration={max(0.0, out.end - out.start):.3f}s",
-            f"exit={out.exit_code if out.exit_code is not None else '-'}",
-        ]
-        if due is not None:
-            parts.append(f"retry_in={max(0.0, due - time.time()):.1f}s")
-        if out.error:
-            parts.append(f"error={quoted(out.error)}")
-        self.log.line(" ".join(parts), 0 if dest == "dead" else 1, logging.WARNING if dest == "failed" else None)

@@ -25,6 +25,8 @@ LAYERS = [
     ["registry", "runner", "watcher"],
     ["index", "transitions"],
     ["compact", "recovery"],
+    ["store"],  # the narrow storage interface the worker uses, and the directory's
+    ["commit", "outcomes", "strategies"],  # group commit; recording outcomes; -j 1 and -j N
     ["worker"],
     ["pool"],
     ["spool"],  # the facade: Spool.work is the only way to run workers

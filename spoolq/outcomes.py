@@ -1,0 +1,132 @@
+"""Recording a run's outcome: the job moved out of cur/ through the store
+(or put back, when it never started), its registration entry let go, its
+line logged once the group commit has made it durable; and what happens
+when an outcome cannot be recorded (the job stays for recovery, the worker
+claims no more).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from .errors import ForcedStop
+from .output import quoted, wants
+from .runner import Outcome
+from .store import Claimed
+
+
+class Recorder:
+    """Records the outcomes of one worker's runs (``worker``: its store,
+    registration, group commit, log and stop flags)."""
+
+    def __init__(self, worker: Any):
+        self.w = worker
+
+    def record(self, claimed: Claimed, out: Outcome) -> None:
+        """Move a job out of cur/ by its outcome (staged for the group
+        commit, or at once), to be logged once durable."""
+        job_id, attempt = claimed.job_id, claimed.attempt  # (finish counts the attempt into the job)
+        reg = self.w.registration
+        if out.not_started and self._put_back(claimed):
+            return
+        try:
+            if not out.ok:  # a failed run's record must be known as this run's (a success needs no telling)
+                try:
+                    reg.ensure_listed(job_id)
+                except OSError:
+                    pass  # only a crash right after the record would count the run twice
+            dest, due, staged = self.w.store.finish(claimed, out, reg.worker_id)
+        except (Exception, ForcedStop) as e:
+            # The job stays in cur/ and its registration entry stays too, so
+            # recovery knows which run it was.
+            self.w.store.release(claimed)
+            self.cannot_record(job_id, f"cannot record the outcome: {type(e).__name__}: {e}", self.w.store.where(claimed))
+            return
+        item = (claimed, out, attempt, dest, due)
+        if staged:  # moved on by the next commit
+            # A success or a dead end lets its registration entry go now, or
+            # every registration save would carry the staged jobs too:
+            # recovery knows those records by their state. A failed run keeps
+            # it until the move: its record swapped in but not moved on looks
+            # like the one it replaced, and the entry tells recovery which
+            # run it was.
+            if dest != "failed":
+                self.forget_run(job_id)
+            self.w.commit.staged(item)
+            return
+        self.w.commit.moved(item)
+
+    def _put_back(self, claimed: Claimed) -> bool:
+        """A job claimed but stopped before it began (a second stop signal
+        between the two) goes back where it came from, as it was: no run
+        happened, so none is counted. False if it cannot (then it is
+        finished as an interrupted run, as before)."""
+        try:
+            folder = self.w.store.unclaim(claimed)
+        except Exception as e:
+            where = self.w.store.where(claimed)
+            if where == "cur":
+                return False  # not moved: finished as an interrupted run
+            # Moved back, but a sync after failed: as for any record that
+            # cannot be made durable, claim no more.
+            self.w.store.release(claimed)
+            self.forget_run(claimed.job_id)
+            self.cannot_record(claimed.job_id, f"{type(e).__name__}: {e}", where, back=True)
+            return True
+        self.forget_run(claimed.job_id)
+        self.w.log.line(f"worker={self.w.wid} job={claimed.job_id} not started: the worker was told to stop now; "
+                        f"back in {folder}/", 1)
+        return True
+
+    def cannot_record(self, job_id: str | None, why: str, where: str, back: bool = False) -> None:
+        """An outcome (or a sync of many) cannot be made durable: the job
+        stays where it is for recovery, and this worker claims no more."""
+        w = self.w
+        w.failed_to_record = True
+        w.stopping = True
+        if job_id is None:
+            tail = ""
+        elif back:
+            tail = f"back in {where}/ but not synced; "
+        elif where == "cur":
+            tail = "it stays in cur/ for recovery; "
+        else:
+            tail = f"it is in {where}/, not synced; "  # the move was made, only its sync failed
+        job = f" job={job_id}" if job_id is not None else ""
+        w.log.line(f"worker={w.wid}{job} error={quoted(why)} {tail}the worker stops claiming", 0)
+
+    def moved(self, claimed: Claimed, completed: bool) -> None:
+        """A job has left cur/ (``completed``: moved on by the group commit,
+        which counts as a finish for the dispatcher: a failed job may be due
+        again at once, and it could not see it while it waited in cur/)."""
+        self.forget_run(claimed.job_id)
+        self.w.moved(completed)
+
+    def forget_run(self, job_id: str) -> None:
+        try:
+            self.w.registration.job_ended(job_id)
+        except OSError:
+            pass
+
+    def log_outcome(self, job: dict, out: Outcome, attempt: int, dest: str, due: float | None) -> None:
+        """The outcome's line (the group commit calls this once it is durable)."""
+        level, severity = (0, None) if dest == "dead" else (1, logging.WARNING if dest == "failed" else None)
+        if not wants(self.w.log, level, severity):
+            return  # (not worth building a line that would be dropped)
+        outcome = {"done": "succeeded", "failed": "failed", "dead": "dead"}[dest]
+        max_attempts = job.get("max_attempts") or self.w.settings["max_attempts"]
+        parts = [
+            f"worker={self.w.wid}",
+            f"job={job['id']}",
+            f"outcome={outcome}",
+            f"attempt={attempt}/{max_attempts}",
+            f"duration={max(0.0, out.end - out.start):.3f}s",
+            f"exit={out.exit_code if out.exit_code is not None else '-'}",
+        ]
+        if due is not None:
+            parts.append(f"retry_in={max(0.0, due - time.time()):.1f}s")
+        if out.error:
+            parts.append(f"error={quoted(out.error)}")
+        self.w.log.line(" ".join(parts), level, severity)
