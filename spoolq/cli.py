@@ -413,9 +413,9 @@ def status(ctx, as_json, prometheus):
     if prometheus:
         from .metrics import prometheus_text  # imported here: start-up speed (only --prometheus needs it)
 
-        echo(prometheus_text(spool, on_problem=lambda message: echo(f"spoolq: {message}", err=True)), nl=False)
+        echo(prometheus_text(spool, on_problem=_warn), nl=False)
         return
-    counts = spool.status()
+    counts = spool.status(on_problem=_warn)
     if as_json:
         echo(json.dumps(counts))
         return
@@ -429,6 +429,10 @@ def status(ctx, as_json, prometheus):
     for w in workers:
         running = ", ".join(w.get("jobs") or {}) or "idle"
         echo(one_line(f"  {w.get('worker')}  pid {w.get('pid')}  since {w.get('started_at')}  running: {running}"))
+
+
+def _warn(message: str) -> None:
+    echo(f"spoolq: {one_line(message)}", err=True)
 
 
 def _abandoned(n: int) -> str:

@@ -347,9 +347,10 @@ class Spool:
             return index.get(job_id)
         return None
 
-    def status(self) -> dict[str, Any]:
+    def status(self, on_problem: Callable[[str], None] | None = None) -> dict[str, Any]:
         """Counts per state (``done`` includes compacted jobs), the jobs in
-        cur/ whose worker died (``abandoned``), and live workers."""
+        cur/ whose worker died (``abandoned``), and live workers; a file in
+        workers/ that is no registration is skipped and told to ``on_problem``."""
         self._open()
         counts: dict[str, Any] = {state: self.dir.count(state) for state in ("new", "cur", "failed")}
         # A file compaction (or a purge) has committed but not yet removed
@@ -371,7 +372,7 @@ class Spool:
 
         counts["abandoned"] = sum(self.dir.is_locked("cur", name) is False for name in self.dir.names("cur"))
         counts["workers"] = [
-            {k: w.get(k) for k in ("worker", "host", "pid", "started_at", "jobs")} for w in live_workers(self.dir)
+            {k: w.get(k) for k in ("worker", "host", "pid", "started_at", "jobs")} for w in live_workers(self.dir, on_problem)
         ]
         return counts
 
