@@ -655,3 +655,32 @@ def test_a_user_without_access_is_told_permission_denied(tmp_path):
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
+
+
+@pytest.mark.parametrize("kind", ["fifo", "symlink", "directory"])
+def test_a_config_json_that_is_not_a_regular_file_is_refused_never_waited_on(fast_spool, tmp_path, kind):
+    s = fast_spool
+    s.enqueue("true")
+    path = s.path / "config.json"
+    path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)
+        what = "a FIFO"
+    elif kind == "symlink":
+        elsewhere = tmp_path / "elsewhere.json"
+        elsewhere.write_text('{"max_attempts": 7}')  # valid settings: only where they are is wrong
+        path.symlink_to(elsewhere)
+        what = "a symbolic link"
+    else:
+        path.mkdir()
+        what = "a directory"
+    message = f"spoolq: {path} is {what}, not a regular file"
+    for args in (("status",), ("status", "--json"), ("work",), ("enqueue", "true"), ("config", "get", "max_attempts"),
+                 ("config", "set", "max_attempts", "3")):
+        proc = s.run(*args, check=False, timeout=20)
+        assert (proc.returncode, proc.stderr.strip()) == (2, message), args
+    assert len(s.names("new")) == 1  # the worker ran nothing with settings it could not read
+    proc = s.run("status", "--prometheus", check=False, timeout=20)
+    assert proc.returncode == 0
+    assert f'spoolq_config_ok{{spool="{s.path}"}} 0' in proc.stdout
+    assert proc.stderr.strip() == f"{message} (metrics read with the default settings)"
