@@ -609,9 +609,10 @@ def load_app(spec: str) -> dict[str, Callable[[Any], Any]]:
 def _empty_or_missing(path: str) -> bool:
     """Whether there is no index at ``path`` to read: none, or an empty
     file (one no index was ever written into: index.db is only linked into
-    place whole, but a file made in place may be empty)."""
+    place whole, but a file made in place may be empty). Not followed: a
+    symlink is an index the Index refuses, not a missing one."""
     try:
-        return os.stat(path).st_size == 0
+        return os.lstat(path).st_size == 0
     except FileNotFoundError:
         return True
 
