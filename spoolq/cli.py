@@ -413,9 +413,9 @@ def status(ctx, as_json, prometheus):
     if prometheus:
         from .metrics import prometheus_text  # imported here: start-up speed (only --prometheus needs it)
 
-        echo(prometheus_text(spool, on_problem=lambda message: echo(f"spoolq: {message}", err=True)), nl=False)
+        echo(prometheus_text(spool, on_problem=_warn), nl=False)
         return
-    counts = spool.status()
+    counts = spool.status(on_problem=_warn)
     if as_json:
         echo(json.dumps(counts))
         return
@@ -428,7 +428,11 @@ def status(ctx, as_json, prometheus):
     echo(f"{'workers':<8}{len(workers):>10}")
     for w in workers:
         running = ", ".join(w.get("jobs") or {}) or "idle"
-        echo(f"  {w.get('worker')}  pid {w.get('pid')}  since {w.get('started_at')}  running: {running}")
+        echo(one_line(f"  {w.get('worker')}  pid {w.get('pid')}  since {w.get('started_at')}  running: {running}"))
+
+
+def _warn(message: str) -> None:
+    echo(f"spoolq: {one_line(message)}", err=True)
 
 
 def _abandoned(n: int) -> str:
@@ -630,7 +634,7 @@ def stats(ctx, since, as_json):
               "run p50", "run p95", "run max")
     rows = [header]
     for g in result["groups"] + [dict(result["total"], group="TOTAL")]:
-        rows.append((str(g["group"]), str(g["jobs"]), str(g["succeeded"]), str(g["failed_runs"]), str(g["dead"]),
+        rows.append((one_line(str(g["group"])), str(g["jobs"]), str(g["succeeded"]), str(g["failed_runs"]), str(g["dead"]),
                      str(g["cancelled"]), "-" if g["throughput_per_s"] is None else f"{g['throughput_per_s']:g}",
                      *(_fmt_seconds(g[k]) for k in ("wait_p50", "wait_p95", "wait_max", "run_p50", "run_p95", "run_max"))))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
@@ -648,7 +652,7 @@ def config_group():
 def config_list(ctx):
     """Every setting with its value."""
     for key, value in _existing(ctx).config_list().items():
-        echo(f"{key} = {json.dumps(value)}")
+        echo(f"{one_line(key)} = {json.dumps(value)}")
 
 
 @config_group.command(name="get")

@@ -8,9 +8,11 @@ set`` stores them as seconds.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
+import stat
 from typing import Any
 
 from .errors import ConfigError  # noqa: F401 - importable from here too
@@ -168,14 +170,46 @@ def check(key: str, value: Any, stored: bool = False) -> Any:
     raise AssertionError(key)
 
 
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def read_file(path: str) -> bytes:
+    """The first MiB of config.json, read only if it is a regular file: a
+    FIFO would block every reader, and a symbolic link (never followed)
+    would let whoever may write the spool root point the settings anywhere."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise ConfigError(f"{path} is a symbolic link, not a regular file") from None
+        if e.errno == errno.ENXIO:  # a socket: it cannot be opened
+            raise ConfigError(f"{path} is a socket, not a regular file") from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            what = next((name for test, name in _KINDS if test(mode)), "of another kind")
+            raise ConfigError(f"{path} is {what}, not a regular file")
+        chunks, left = [], 1 << 20
+        while left > 0:
+            chunk = os.read(fd, left)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
 def load(root: str) -> dict[str, Any]:
     """The spool's settings: config.json over the defaults. A broken file is
     an error (a worker must not run with settings nobody chose)."""
     settings = dict(DEFAULTS)
     path = os.path.join(root, "config.json")
     try:
-        with open(path, "rb") as f:
-            raw = f.read(1 << 20)
+        raw = read_file(path)
     except FileNotFoundError:
         return settings
     except PermissionError:
@@ -233,10 +267,11 @@ def read_stored(root: str) -> dict[str, Any]:
     """Only the settings written in config.json (no defaults)."""
     path = os.path.join(root, "config.json")
     try:
-        with open(path, "rb") as f:
-            stored = json.loads(f.read(1 << 20) or b"{}")
+        raw = read_file(path)
     except FileNotFoundError:
         return {}
+    try:
+        stored = json.loads(raw or b"{}")
     except ValueError as e:
         raise ConfigError(f"{path} is not valid JSON: {e}") from None
     if not isinstance(stored, dict):

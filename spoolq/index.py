@@ -25,6 +25,7 @@ import time
 from typing import Any, Callable, Iterable, Iterator
 
 from . import record
+from .errors import SpoolError
 from .protocol import duplicate_name, file_name, id_of
 
 SCHEMA_VERSION = 2
@@ -250,12 +251,38 @@ def _disk_full_explained(change):
     return wrapper
 
 
+@functools.lru_cache(maxsize=1)
+def _own_schema() -> frozenset[tuple]:
+    """What SCHEMA puts in sqlite_master: (type, name, table, SQL)."""
+    db = sqlite3.connect(":memory:")
+    try:
+        db.executescript(SCHEMA)
+        return frozenset(db.execute("SELECT type, name, tbl_name, sql FROM main.sqlite_master"))
+    finally:
+        db.close()
+
+
+def _refuse_foreign_schema(db: sqlite3.Connection, path: str) -> None:
+    """Raise SpoolError when the database holds an object SCHEMA does not
+    make (a trigger, a view, another table or index, a changed definition):
+    one planted by whoever could write the file, which would run inside
+    this process's writes."""
+    for row in db.execute("SELECT type, name, tbl_name, sql FROM main.sqlite_master"):
+        if tuple(row) not in _own_schema():
+            article = "an" if row[0][0] in "aeiou" else "a"
+            raise SpoolError(f"{path} holds {article} {row[0]} {row[1]!r} that spoolq does not make: not used "
+                             "(an index.db holds only spoolq's own tables and indexes)")
+
+
 @contextlib.contextmanager
-def _immediate(db: sqlite3.Connection) -> Iterator[None]:
+def _immediate(db: sqlite3.Connection, path: str) -> Iterator[None]:
     """A write transaction, taken at once (BEGIN IMMEDIATE), committed at
-    the end and rolled back on any error."""
+    the end and rolled back on any error. The schema is checked once the
+    write lock is held, so nothing added since the database was opened
+    fires inside the transaction."""
     db.execute("BEGIN IMMEDIATE")
     try:
+        _refuse_foreign_schema(db, path)
         yield
         db.execute("COMMIT")
     except BaseException:
@@ -317,10 +344,12 @@ class Index:
     def _open(self) -> sqlite3.Connection:
         if self.path != ":memory:" and not os.path.lexists(self.path):
             self._create()
+        self._refuse_non_files()
         if self.shared:
             self._share()
         db = sqlite3.connect(self.path, timeout=60, isolation_level=None, check_same_thread=False)
         try:
+            self._distrust(db)
             db.execute("PRAGMA journal_mode=WAL")
             # FULL: a commit is on disk before compaction removes the files it holds.
             db.execute(f"PRAGMA synchronous={'FULL' if self.durable else 'NORMAL'}")
@@ -338,9 +367,15 @@ class Index:
         creator that comes second keeps the first one's."""
         tmp = f"{self.path}.new-{os.getpid()}-{os.urandom(4).hex()}"
         try:
-            if self.shared:
-                os.close(os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o660))
-                os.chmod(tmp, 0o660)
+            # Made here, not by SQLite: never through a symlink planted at
+            # the name, and with the spool's mode whatever the umask (SQLite
+            # gives the -wal and -shm files the database's mode).
+            mode = 0o660 if self.shared else 0o600
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+            try:
+                os.fchmod(fd, mode)
+            finally:
+                os.close(fd)
             db = sqlite3.connect(tmp, isolation_level=None)
             try:
                 db.execute(f"PRAGMA synchronous={'FULL' if self.durable else 'NORMAL'}")
@@ -372,10 +407,12 @@ class Index:
         kept for READ_ONLY_FOR seconds at most)."""
         from urllib.parse import quote
 
+        self._refuse_non_files()
         for flags in ("mode=ro", "mode=ro&immutable=1"):
             db = sqlite3.connect(f"file:{quote(self.path)}?{flags}", uri=True, timeout=60, isolation_level=None,
                                  check_same_thread=False)
             try:
+                self._distrust(db)
                 db.execute("PRAGMA temp_store=MEMORY")  # stats builds temporary tables
                 if db.execute("PRAGMA user_version").fetchone()[0] >= 1:  # every version reads the same
                     return db
@@ -383,6 +420,33 @@ class Index:
                 pass
             db.close()
         raise sqlite3.OperationalError("cannot open index.db read-only")
+
+    def _refuse_non_files(self) -> None:
+        """Raise SpoolError when index.db, or its -wal or -shm file, is a
+        symlink or anything but a regular file: SQLite would follow it and
+        create or write the file it points to."""
+        if self.path == ":memory:":
+            return
+        for path in (self.path, self.path + "-wal", self.path + "-shm"):
+            try:
+                mode = os.lstat(path).st_mode
+            except FileNotFoundError:
+                continue
+            if not stat.S_ISREG(mode):
+                what = "a symbolic link" if stat.S_ISLNK(mode) else "not a regular file"
+                raise SpoolError(f"{path} is {what}: not opened (index.db and its -wal and -shm files "
+                                 "must be regular files)")
+
+    def _distrust(self, db: sqlite3.Connection) -> None:
+        """No function or virtual table a schema names runs unless SQLite
+        deems it harmless, and a schema with anything spoolq does not make
+        is refused (SpoolError) before a statement touches it."""
+        db.execute("PRAGMA trusted_schema=OFF")
+        try:
+            _refuse_foreign_schema(db, self.path)
+        except SpoolError:
+            db.close()
+            raise
 
     def _share(self) -> None:
         """Make the database 0660, and its -wal and -shm files (SQLite gives
@@ -505,7 +569,7 @@ class Index:
         counts: dict[str, int] = {}
         insert_job = f"INSERT OR IGNORE INTO jobs ({', '.join(JOB_COLUMNS)}) VALUES ({', '.join('?' * len(JOB_COLUMNS))})"
         insert_runs = f"INSERT OR REPLACE INTO runs ({', '.join(RUN_COLUMNS)}) VALUES ({', '.join('?' * len(RUN_COLUMNS))})"
-        with _immediate(db):
+        with _immediate(db, self.path):
             for job, state, finished_at in jobs:
                 if _insert(db, insert_job, [job_row(job, state, finished_at)]).rowcount == 0:
                     key = _sql(job["id"])
@@ -544,7 +608,7 @@ class Index:
         """Delete jobs (and their runs) that finished before ``cutoff``."""
         db = self.writable()
         n = {}
-        with _immediate(db):
+        with _immediate(db, self.path):
             for state in ("done", "dead"):
                 n[state] = db.execute("SELECT COUNT(*) FROM jobs WHERE state = ? AND finished_at < ?", (state, cutoff)).fetchone()[0]
             db.execute("DELETE FROM runs WHERE job_id IN (SELECT id FROM jobs WHERE finished_at < ?)", (cutoff,))

@@ -69,10 +69,10 @@ def _read_jobs(spool: Any, limit: int, now_ns: int) -> tuple[dict[str, tuple], i
     return jobs, oldest_due
 
 
-def collect(spool: Any) -> dict[str, Any]:
+def collect(spool: Any, on_problem: Callable[[str], None] | None = None) -> dict[str, Any]:
     """The numbers behind the metrics, straight from the folders and index."""
 
-    st = spool.status()
+    st = spool.status(on_problem)
     now_ns = time.time_ns()
     jobs, oldest_due = _read_jobs(spool, int(spool.settings["max_job_bytes"]), now_ns)
     finished = {"succeeded": 0, "cancelled": 0}
@@ -141,7 +141,7 @@ def prometheus_text(spool: Any, on_problem: Callable[[str], None] | None = None)
     problem = _settings_problem(spool)
     if problem is not None and on_problem is not None:
         on_problem(f"{problem} (metrics read with the default settings)")
-    data = collect(spool)
+    data = collect(spool, on_problem)
     spool_label = f'spool="{_escape(spool.path)}"'
 
     def labelled(key: str, values: dict[str, Any]) -> list[tuple[str, Any]]:

@@ -39,13 +39,26 @@ def echo(text: str = "", err: bool = False, nl: bool = True) -> None:
 
 
 def dumps(obj: Any, **kw: Any) -> str:
-    """JSON for output: UTF-8 where possible, escaped where not."""
+    """JSON for output: UTF-8 where possible, escaped where not. Characters
+    JSON leaves raw that a terminal may act on (C1 controls such as U+009B,
+    bidi overrides, line separators) are written as ``\\uXXXX``."""
     text = json.dumps(obj, ensure_ascii=False, **kw)
+    if not text.replace("\n", "").isprintable():  # a raw newline is indent's, between values
+        text = "".join(c if c.isprintable() or c == "\n" else _json_escape(c) for c in text)
     try:
         text.encode("utf-8")
         return text
     except UnicodeEncodeError:
         return json.dumps(obj, ensure_ascii=True, **kw)
+
+
+def _json_escape(c: str) -> str:
+    """``c`` as JSON's ``\\uXXXX`` escape (a surrogate pair above U+FFFF)."""
+    n = ord(c)
+    if n <= 0xFFFF:
+        return f"\\u{n:04x}"
+    n -= 0x10000
+    return f"\\u{0xD800 + (n >> 10):04x}\\u{0xDC00 + (n & 0x3FF):04x}"
 
 
 def one_line(text: str) -> str:
@@ -55,6 +68,14 @@ def one_line(text: str) -> str:
     if text.isprintable():
         return text
     return "".join(c if c.isprintable() else c.encode("unicode_escape", "backslashreplace").decode("ascii") for c in text)
+
+
+def output_line(text: str) -> str:
+    """A line of a job's output as ``show`` prints it: escaped as by
+    ``one_line``, except tabs, which align columns and move nothing else."""
+    if text.isprintable():
+        return text
+    return "\t".join(one_line(part) for part in text.split("\t"))
 
 
 def fail(message: str, code: int = 1) -> NoReturn:
@@ -153,14 +174,15 @@ def show(spool, job_id: str, as_json: bool) -> None:
     for key, value in job.items():
         if key in ("stdout", "stderr") and isinstance(value, str):
             echo(f"{key}:")
-            for line in value.rstrip("\n").splitlines():
-                echo(f"  | {line}")
+            text = value.rstrip("\n")
+            for line in text.split("\n") if text else ():  # the output's own lines; a \r among them shown escaped
+                echo(f"  | {output_line(line)}")
         elif key == "history" and isinstance(value, list):
             echo("history:")
             for h in value:
-                echo("  - " + " ".join(f"{k}={v}" for k, v in h.items()) if isinstance(h, dict) else f"  - {h}")
+                echo(one_line("  - " + " ".join(f"{k}={v}" for k, v in h.items()) if isinstance(h, dict) else f"  - {h}"))
         else:
-            echo(f"{key}: {value if isinstance(value, str) else dumps(value)}")
+            echo(one_line(f"{key}: {value if isinstance(value, str) else dumps(value)}"))
     if job.get("abandoned"):
         echo(f"note: {ABANDONED}")
 
@@ -311,6 +333,17 @@ def quoted(text: str) -> str:
     """A value for a ``key="value"`` field of a log line: one line, no double quote, at most 200 characters."""
     text = text.replace("\n", " ").replace('"', "'")
     return f'"{text[:200]}"'
+
+
+def field(value: Any) -> str:
+    """A value for a ``key=value`` field of a log line: as it is when it is
+    one word, quoted (as by ``quoted``) when it holds a space, a quote, an
+    ``=`` or a control character, so a file named ``x outcome=succeeded``
+    cannot add a field of its own to the line."""
+    text = str(value)
+    if text and text.isprintable() and not any(c in text for c in ' "\'='):
+        return text
+    return quoted(text)
 
 
 def log_what_waits(spool_dir: Any, log: Log) -> None:

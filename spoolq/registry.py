@@ -19,7 +19,7 @@ import os
 import re
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from . import procs
 from .protocol import Busy, Gone, Held, NotRegular, SpoolDir
@@ -159,6 +159,9 @@ class Registration:
                 self._held = None
 
 
+_UNREADABLE = " unreadable"  # the key read_all marks a file it could not parse with (no JSON key a worker writes)
+
+
 def read_all(spool: SpoolDir) -> list[dict[str, Any]]:
     """Every registration with ``live`` set when its worker still runs."""
     out = []
@@ -175,18 +178,48 @@ def read_all(spool: SpoolDir) -> list[dict[str, Any]]:
         try:
             data, _ = spool.read("workers", name, 1 << 20)
             info = json.loads(data)
-        except (OSError, ValueError, NotRegular, RecursionError):
-            info = {"worker": name[:-5]}
+        except (OSError, ValueError, NotRegular, RecursionError) as e:
+            info = {"worker": name[:-5], _UNREADABLE: "not JSON" if isinstance(e, ValueError) else "unreadable"}
         if not isinstance(info, dict):
-            info = {"worker": name[:-5]}
+            info = {"worker": name[:-5], _UNREADABLE: "not a JSON object"}
         info["live"] = live
         info["file"] = name
         out.append(info)
     return out
 
 
-def live_workers(spool: SpoolDir) -> list[dict[str, Any]]:
-    return [w for w in read_all(spool) if w.get("live")]
+def live_workers(spool: SpoolDir, on_problem: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    """The registrations of running workers. Any file in workers/ can be
+    locked by whoever may write there, so one that is not a registration as
+    a worker writes it is skipped (and told to ``on_problem``), never
+    passed on for status and metrics to trip over."""
+    out = []
+    for w in read_all(spool):
+        if not w.get("live"):
+            continue
+        problem = registration_problem(w)
+        if problem is None:
+            out.append(w)
+        elif on_problem is not None:
+            on_problem(f"workers/{w['file']}: {problem}; skipped")
+    return out
+
+
+_FIELDS = (("worker", str, "a string"), ("host", str, "a string"), ("pid", int, "a number"),
+           ("started_at", str, "a string"), ("jobs", dict, "an object"))
+
+
+def registration_problem(info: dict[str, Any]) -> str | None:
+    """Why a live registration's content is not one a worker writes, or None."""
+    if _UNREADABLE in info:
+        return f"not a worker registration ({info[_UNREADABLE]})"
+    for key, kind, what in _FIELDS:
+        value = info.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            return f"not a worker registration ({key} is not {what})"
+    if not all(isinstance(entry, dict) for entry in info["jobs"].values()):
+        return "not a worker registration (an entry of jobs is not an object)"
+    return None
 
 
 class DeadRegistration:

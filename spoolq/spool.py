@@ -347,9 +347,10 @@ class Spool:
             return index.get(job_id)
         return None
 
-    def status(self) -> dict[str, Any]:
+    def status(self, on_problem: Callable[[str], None] | None = None) -> dict[str, Any]:
         """Counts per state (``done`` includes compacted jobs), the jobs in
-        cur/ whose worker died (``abandoned``), and live workers."""
+        cur/ whose worker died (``abandoned``), and live workers; a file in
+        workers/ that is no registration is skipped and told to ``on_problem``."""
         self._open()
         counts: dict[str, Any] = {state: self.dir.count(state) for state in ("new", "cur", "failed")}
         # A file compaction (or a purge) has committed but not yet removed
@@ -371,7 +372,7 @@ class Spool:
 
         counts["abandoned"] = sum(self.dir.is_locked("cur", name) is False for name in self.dir.names("cur"))
         counts["workers"] = [
-            {k: w.get(k) for k in ("worker", "host", "pid", "started_at", "jobs")} for w in live_workers(self.dir)
+            {k: w.get(k) for k in ("worker", "host", "pid", "started_at", "jobs")} for w in live_workers(self.dir, on_problem)
         ]
         return counts
 
@@ -611,9 +612,10 @@ def load_app(spec: str) -> dict[str, Callable[[Any], Any]]:
 def _empty_or_missing(path: str) -> bool:
     """Whether there is no index at ``path`` to read: none, or an empty
     file (one no index was ever written into: index.db is only linked into
-    place whole, but a file made in place may be empty)."""
+    place whole, but a file made in place may be empty). Not followed: a
+    symlink is an index the Index refuses, not a missing one."""
     try:
-        return os.stat(path).st_size == 0
+        return os.lstat(path).st_size == 0
     except FileNotFoundError:
         return True
 

@@ -655,3 +655,127 @@ def test_a_user_without_access_is_told_permission_denied(tmp_path):
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
+
+
+@pytest.mark.parametrize("kind", ["fifo", "symlink", "directory"])
+def test_a_config_json_that_is_not_a_regular_file_is_refused_never_waited_on(fast_spool, tmp_path, kind):
+    s = fast_spool
+    s.enqueue("true")
+    path = s.path / "config.json"
+    path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)
+        what = "a FIFO"
+    elif kind == "symlink":
+        elsewhere = tmp_path / "elsewhere.json"
+        elsewhere.write_text('{"max_attempts": 7}')  # valid settings: only where they are is wrong
+        path.symlink_to(elsewhere)
+        what = "a symbolic link"
+    else:
+        path.mkdir()
+        what = "a directory"
+    message = f"spoolq: {path} is {what}, not a regular file"
+    for args in (("status",), ("status", "--json"), ("work",), ("enqueue", "true"), ("config", "get", "max_attempts"),
+                 ("config", "set", "max_attempts", "3")):
+        proc = s.run(*args, check=False, timeout=20)
+        assert (proc.returncode, proc.stderr.strip()) == (2, message), args
+    assert len(s.names("new")) == 1  # the worker ran nothing with settings it could not read
+    proc = s.run("status", "--prometheus", check=False, timeout=20)
+    assert proc.returncode == 0
+    assert f'spoolq_config_ok{{spool="{s.path}"}} 0' in proc.stdout
+    assert proc.stderr.strip() == f"{message} (metrics read with the default settings)"
+
+
+def _one_done_job(s: SpoolFixture) -> None:
+    job_id = s.enqueue("true")
+    s.work()
+    assert s.where(job_id) == ["done"]
+
+
+@pytest.mark.parametrize("name", ["index.db", "index.db-wal", "index.db-shm"])
+def test_an_index_file_that_is_a_symlink_is_refused_and_nothing_is_made_at_its_target(fast_spool, tmp_path, name):
+    s = fast_spool
+    _one_done_job(s)
+    if name != "index.db":
+        s.run("compact")  # a real index.db, beside which the -wal or -shm name is planted
+        _one_done_job(s)
+    target = tmp_path / "elsewhere" / "planted"
+    target.parent.mkdir()
+    (s.path / name).symlink_to(target)
+    message = f"spoolq: {s.path / name} is a symbolic link: not opened"
+    done = s.names("done")
+    for args in (("compact",), ("status",), ("list",), ("stats",)):
+        proc = s.run(*args, check=False)
+        assert proc.returncode == 1 and proc.stderr.startswith(message), (args, proc.stderr)
+        assert len(proc.stderr.splitlines()) == 1
+    assert not target.exists() and os.listdir(target.parent) == []
+    assert s.names("done") == done  # nothing folded into an index that was not opened
+
+
+@pytest.mark.parametrize("planted, what", [
+    ("CREATE TRIGGER t AFTER INSERT ON jobs BEGIN INSERT OR REPLACE INTO counters VALUES ('pwned', 1); END",
+     "a trigger 't'"),
+    ("CREATE VIEW v AS SELECT 1", "a view 'v'"),
+    ("CREATE TABLE loot (x)", "a table 'loot'"),
+    ("CREATE INDEX extra ON jobs (error)", "an index 'extra'"),
+])
+def test_an_index_with_objects_spoolq_does_not_make_is_refused(fast_spool, planted, what):
+    s = fast_spool
+    _one_done_job(s)
+    s.run("compact")
+    db = sqlite3.connect(s.path / "index.db")
+    db.execute(planted)
+    db.commit()
+    db.close()
+    _one_done_job(s)
+    message = f"spoolq: {s.path / 'index.db'} holds {what} that spoolq does not make: not used"
+    for args in (("compact",), ("status",), ("list",), ("stats",), ("show", "nope")):
+        proc = s.run(*args, check=False)
+        assert proc.returncode == 1 and proc.stderr.startswith(message), (args, proc.stderr)
+    # A worker's automatic compaction refuses it too, and keeps working.
+    s.config("compact_after", 1)
+    _one_done_job(s)
+    s.enqueue("true")
+    rows = sqlite3.connect(s.path / "index.db").execute("SELECT COUNT(*) FROM jobs").fetchone()[0]
+    proc = s.work()
+    assert "compaction failed" in proc.stderr and what in proc.stderr
+    db = sqlite3.connect(s.path / "index.db")
+    assert db.execute("SELECT * FROM counters WHERE name = 'pwned'").fetchall() == []
+    assert db.execute("SELECT COUNT(*) FROM jobs").fetchone()[0] == rows
+    db.close()
+
+
+def test_a_trigger_planted_while_the_index_is_open_never_fires(fast_spool):
+    s = fast_spool
+    _one_done_job(s)
+    from spoolq import Spool
+
+    spool = Spool(str(s.path))
+    spool.compact()  # the connection stays open in this process
+    db = sqlite3.connect(s.path / "index.db")
+    db.execute("CREATE TRIGGER t AFTER INSERT ON jobs BEGIN INSERT OR REPLACE INTO counters VALUES ('pwned', 1); END")
+    db.commit()
+    _one_done_job(s)
+    with pytest.raises(Exception, match="holds a trigger 't' that spoolq does not make"):
+        spool.compact()
+    assert db.execute("SELECT * FROM counters WHERE name = 'pwned'").fetchall() == []
+    db.close()
+
+
+def test_a_private_spools_index_files_are_0600_under_umask_022(tmp_path):
+    s = SpoolFixture(tmp_path / "spool")
+    old = os.umask(0o022)
+    try:
+        s.run("init")
+        s.config("fsync", "false")
+        _one_done_job(s)
+        s.run("compact")
+        reader = sqlite3.connect(s.path / "index.db")  # keeps -wal and -shm while compaction writes
+        reader.execute("SELECT COUNT(*) FROM jobs").fetchone()
+        _one_done_job(s)
+        s.run("compact")
+        modes = {n: stat.S_IMODE(os.stat(s.path / n).st_mode) for n in ("index.db", "index.db-wal", "index.db-shm")}
+        reader.close()
+    finally:
+        os.umask(old)
+    assert modes == dict.fromkeys(modes, 0o600)
