@@ -41,7 +41,7 @@ from . import config, linux, procs
 from .commit import COMMIT_JOBS, COMMIT_SECONDS, GroupCommit
 from .errors import ForcedStop
 from .outcomes import Recorder
-from .output import Log, as_log, log_what_waits, quoted  # noqa: F401 - Log, log_what_waits: importable from here too
+from .output import Log, as_log, field, log_what_waits, quoted  # noqa: F401 - Log, log_what_waits: importable from here too
 from .protocol import Entry
 from .registry import Registration
 from .runner import STOPPED_NOW, Limits, Outcome, RunHandle, RunPlan, call_handler, fork_handler, inheritable_fds, run_process
@@ -493,7 +493,7 @@ class Worker:
                 if claimed is not None:
                     claimed = self.store.take(claimed, time.time_ns(), self.on_quarantine)
         except Exception as e:  # a claim never takes the worker down; the file stays put
-            self.log.line(f"worker={self.wid} cannot claim {entry.state}/{entry.name}: {type(e).__name__}: {e}", 0)
+            self.log.line(f"worker={self.wid} cannot claim {field(entry.state + '/' + entry.name)}: {type(e).__name__}: {e}", 0)
             return None
         return claimed
 
@@ -548,12 +548,12 @@ class Worker:
             self._later_logged.clear()
         self._later_logged.add((name, when_ns))
         wait = max(0.0, when_ns / 1e9 - time.time())
-        self.log.line(f"worker={self.wid} job={name} not a whole job yet and changed less than "
+        self.log.line(f"worker={self.wid} job={field(name)} not a whole job yet and changed less than "
                       f"{WRITER_GRACE:g}s ago: left in new/ for its writer to finish, looked at again "
                       f"in {wait:.1f}s (a file written in tmp/ and renamed into new/ never waits)", 1)
 
     def on_quarantine(self, name: str, reason: str) -> None:
-        self.log.line(f"worker={self.wid} job={name} outcome=dead state=dead error={quoted(reason)}", 0)
+        self.log.line(f"worker={self.wid} job={field(name)} outcome=dead state=dead error={quoted(reason)}", 0)
 
     # -- one job -----------------------------------------------------------
 

@@ -112,7 +112,6 @@ def test_a_malformed_live_registration_is_skipped_with_a_warning(fast_spool, con
     assert "workers          1" in text and "good" in text
 
 
-@pytest.mark.xfail(strict=True, reason="the worker's log lines give file names through output.field")
 def test_a_file_name_cannot_forge_a_field_of_a_log_line(fast_spool):
     s = fast_spool
     s.drop("x outcome=succeeded.json", '{"command": "true"}')
