@@ -59,7 +59,6 @@ class Bench:
         self.progress = progress
         self.figures: dict[str, Figure] = {}
         self._n = 0
-        self._history_spool: tuple[Spool, int] | None = None  # the last scale spool (see scale)
 
     # -- helpers -----------------------------------------------------------
 
@@ -416,119 +415,6 @@ class Bench:
                             note=f"spoolq enqueue true, a fresh process: {enq_t * 1000:.0f} ms"))
         return a, b
 
-    def scale(self, sizes: tuple[int, ...], with_history: bool = False) -> None:
-        """At each queue size: enqueue cost (the last 1,000 jobs in), status
-        time, the bare system calls of a drain on a tenth of the jobs, and a
-        whole worker draining the rest in a process of its own (cost per job
-        and its peak RSS); then each larger size's per-job cost as a ratio
-        to the smallest's.
-
-        A small size is over in a fraction of a second, a snapshot of a host
-        whose speed drifts over the minutes a million jobs take: when larger
-        sizes follow, the smallest (if at most SCALE_REPEAT_UP_TO jobs) is
-        measured SCALE_BASELINE_RUNS times, some before the larger sizes and
-        the rest after them, and its figures are the medians."""
-        sizes = tuple(sorted(set(sizes)))
-        first = _short(sizes[0])
-        repeat = len(sizes) > 1 and sizes[0] <= SCALE_REPEAT_UP_TO
-        before = (SCALE_BASELINE_RUNS + 1) // 2 if repeat else 1
-        history: tuple[Spool, int] | None = None
-        runs = [self._scale_at(sizes[0]) for _ in range(before)]
-        for size in sizes[1:]:
-            self._scale_at(size)
-        if with_history:
-            history = self._history_spool
-        if repeat:
-            runs += [self._scale_at(sizes[0]) for _ in range(SCALE_BASELINE_RUNS - before)]
-            for kind in ("enqueue", "status", "scan", "bare_drain", "drain"):
-                name = f"scale_{kind}_{first}"
-                figs = sorted((run[name] for run in runs), key=lambda f: f.seconds / max(f.jobs, 1))
-                median = figs[len(figs) // 2]
-                spread = ", ".join(f"{f.seconds / max(f.jobs, 1) * 1e6:.0f}" if f.jobs else f"{f.seconds * 1000:.0f} ms"
-                                   for f in (run[name] for run in runs))
-                median.note += (f"; median of {len(runs)} runs, {before} before the larger sizes and "
-                                f"{len(runs) - before} after ({'us per job: ' if median.jobs else ''}{spread})")
-                median.extra["runs"] = len(runs)
-                self.add(median)
-        # The history section deletes most of the largest spool's files,
-        # which slows creates for minutes: it comes after the runs above.
-        if history is not None:
-            self.history_at(*history)
-        for kind in ("enqueue", "bare_drain", "drain"):
-            base = self.figures[f"scale_{kind}_{first}"]
-            for size in sizes[1:]:
-                fig = self.figures[f"scale_{kind}_{_short(size)}"]
-                fig.extra["cost_ratio"] = round(fig.us_per_job / base.us_per_job, 3)
-                fig.note += f"; per-job cost {fig.us_per_job / base.us_per_job:.2f}x of {first}"
-
-    def _scale_at(self, size: int) -> dict[str, Figure]:
-        """One measurement of the scale section at one queue size, in a
-        fresh spool; returns its figures by name (the spool, and how many of
-        its jobs the worker finished, are kept for the history section)."""
-        spool = self.fresh_spool(f"scale-{size}")
-        tail = min(1000, size)
-        for start in range(0, size - tail, 10000):
-            spool.enqueue_many([{"kind": "noop"}] * min(10000, size - tail - start))
-        t0 = time.perf_counter()
-        for _ in range(tail):
-            spool.enqueue(kind="noop")
-        enq = time.perf_counter() - t0
-        label = _short(size)
-        figs = [self.add(Figure(f"scale_enqueue_{label}", tail, enq, note=f"Spool.enqueue with {size - tail:,} already waiting"))]
-        figs.append(self.status_time(spool, label, name=f"scale_status_{label}"))
-        t0 = time.perf_counter()
-        spool.dir.scan(time.time_ns(), SCAN_LIMIT)
-        scan = time.perf_counter() - t0
-        figs.append(self.add(Figure(f"scale_scan_{label}", size, scan, kind="time",
-                                    note=f"one pass over new/ with {size:,} files (scandir + lstat, keep the first "
-                                         f"{SCAN_LIMIT // 1000}k): {scan * 1000:.0f} ms, {scan / size * 1e6:.1f} us per file")))
-        # The bare system calls of a drain, on the first tenth (at least
-        # 100, at most half) of these very files: what this filesystem
-        # itself costs at this size. Its second rename goes to a folder
-        # of its own, not to done/.
-        bare = self.bare_drain(spool, max(size // 10, min(100, size // 2)), f"scale_bare_drain_{label}")
-        figs.append(bare)
-        # Timed inside its process: no start-up to subtract, which on a
-        # noisy host could leave a short drain with a negative time.
-        _, outputs = _run_together([[sys.executable, "-c", _WORKER_DRAIN, spool.path]])
-        ran, drain, rss_kb = outputs[0].split()
-        rss_mb = int(rss_kb) / 1024
-        fig = self.add(Figure(f"scale_drain_{label}", int(ran), float(drain),
-                              note=f"a worker (Spool.work, as `spoolq work --app` runs it) draining {int(ran):,} "
-                                   f"no-op handler jobs; its peak RSS {rss_mb:.0f} MB"))
-        fig.extra["peak_rss_mb"] = round(rss_mb, 1)
-        figs.append(fig)
-        self._history_spool = (spool, size - bare.jobs)
-        return {f.name: f for f in figs}
-
-    def history_at(self, spool: Spool, finished: int) -> None:
-        """With ``finished`` jobs in done/: compact them (rate), then put
-        100,000 jobs in new/ (not due) and time `status` and `show` of a
-        compacted job, both as whole commands."""
-        ids = [n[:-5] for n in spool.dir.names("done")][:1]
-        t0 = time.perf_counter()
-        result = spool.compact()
-        took = time.perf_counter() - t0
-        self.add(Figure("compact", result["folded"], took, note=f"spoolq compact: {finished:,} done/ files into index.db"))
-        waiting = 100_000
-        later = time.time() + 86400
-        for start in range(0, waiting, 10000):
-            spool.enqueue_many([{"kind": "noop", "run_at": later}] * 10000)
-        self.status_time(spool, f"{_short(finished)}_compacted")
-        times = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            subprocess.run(SPOOLQ_CMD + ["-s", spool.path, "show", ids[0], "--json"], capture_output=True, check=True)
-            times.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        for _ in range(100):
-            spool.get(ids[0])
-        inproc = (time.perf_counter() - t0) / 100
-        fig = self.add(Figure("show_compacted", 0, min(times), kind="time",
-                              note=f"spoolq show ID of a compacted job among {finished:,}: {min(times) * 1000:.0f} ms "
-                                   f"(whole command); Spool.get {inproc * 1000:.2f} ms"))
-        fig.extra.update(ms=round(min(times) * 1000, 1), get_ms=round(inproc * 1000, 3))
-
     def used_filesystem(self, n: int) -> None:
         """The same enqueues right after deleting ``n`` files (what compaction
         does). On ext4 without a journal a freed inode is not reused for about
@@ -588,6 +474,128 @@ class Bench:
             entry.update(fig.extra)
             out[fig.name] = entry
         return out
+
+
+class Scale:
+    """The scale and history sections: one bench's figures at growing queue
+    sizes, and the history of its largest spool once compacted."""
+
+    def __init__(self, bench: Bench):
+        self.bench = bench
+        self._history_spool: tuple[Spool, int] | None = None  # the last scale spool (see run)
+
+    def run(self, sizes: tuple[int, ...], with_history: bool = False) -> None:
+        """At each queue size: enqueue cost (the last 1,000 jobs in), status
+        time, the bare system calls of a drain on a tenth of the jobs, and a
+        whole worker draining the rest in a process of its own (cost per job
+        and its peak RSS); then each larger size's per-job cost as a ratio
+        to the smallest's.
+
+        A small size is over in a fraction of a second, a snapshot of a host
+        whose speed drifts over the minutes a million jobs take: when larger
+        sizes follow, the smallest (if at most SCALE_REPEAT_UP_TO jobs) is
+        measured SCALE_BASELINE_RUNS times, some before the larger sizes and
+        the rest after them, and its figures are the medians."""
+        sizes = tuple(sorted(set(sizes)))
+        first = _short(sizes[0])
+        repeat = len(sizes) > 1 and sizes[0] <= SCALE_REPEAT_UP_TO
+        before = (SCALE_BASELINE_RUNS + 1) // 2 if repeat else 1
+        history: tuple[Spool, int] | None = None
+        runs = [self._scale_at(sizes[0]) for _ in range(before)]
+        for size in sizes[1:]:
+            self._scale_at(size)
+        if with_history:
+            history = self._history_spool
+        if repeat:
+            runs += [self._scale_at(sizes[0]) for _ in range(SCALE_BASELINE_RUNS - before)]
+            for kind in ("enqueue", "status", "scan", "bare_drain", "drain"):
+                name = f"scale_{kind}_{first}"
+                figs = sorted((run[name] for run in runs), key=lambda f: f.seconds / max(f.jobs, 1))
+                median = figs[len(figs) // 2]
+                spread = ", ".join(f"{f.seconds / max(f.jobs, 1) * 1e6:.0f}" if f.jobs else f"{f.seconds * 1000:.0f} ms"
+                                   for f in (run[name] for run in runs))
+                median.note += (f"; median of {len(runs)} runs, {before} before the larger sizes and "
+                                f"{len(runs) - before} after ({'us per job: ' if median.jobs else ''}{spread})")
+                median.extra["runs"] = len(runs)
+                self.bench.add(median)
+        # The history section deletes most of the largest spool's files,
+        # which slows creates for minutes: it comes after the runs above.
+        if history is not None:
+            self.history_at(*history)
+        for kind in ("enqueue", "bare_drain", "drain"):
+            base = self.bench.figures[f"scale_{kind}_{first}"]
+            for size in sizes[1:]:
+                fig = self.bench.figures[f"scale_{kind}_{_short(size)}"]
+                fig.extra["cost_ratio"] = round(fig.us_per_job / base.us_per_job, 3)
+                fig.note += f"; per-job cost {fig.us_per_job / base.us_per_job:.2f}x of {first}"
+
+    def _scale_at(self, size: int) -> dict[str, Figure]:
+        """One measurement of the scale section at one queue size, in a
+        fresh spool; returns its figures by name (the spool, and how many of
+        its jobs the worker finished, are kept for the history section)."""
+        spool = self.bench.fresh_spool(f"scale-{size}")
+        tail = min(1000, size)
+        for start in range(0, size - tail, 10000):
+            spool.enqueue_many([{"kind": "noop"}] * min(10000, size - tail - start))
+        t0 = time.perf_counter()
+        for _ in range(tail):
+            spool.enqueue(kind="noop")
+        enq = time.perf_counter() - t0
+        label = _short(size)
+        figs = [self.bench.add(Figure(f"scale_enqueue_{label}", tail, enq, note=f"Spool.enqueue with {size - tail:,} already waiting"))]
+        figs.append(self.bench.status_time(spool, label, name=f"scale_status_{label}"))
+        t0 = time.perf_counter()
+        spool.dir.scan(time.time_ns(), SCAN_LIMIT)
+        scan = time.perf_counter() - t0
+        figs.append(self.bench.add(Figure(f"scale_scan_{label}", size, scan, kind="time",
+                                          note=f"one pass over new/ with {size:,} files (scandir + lstat, keep the first "
+                                               f"{SCAN_LIMIT // 1000}k): {scan * 1000:.0f} ms, {scan / size * 1e6:.1f} us per file")))
+        # The bare system calls of a drain, on the first tenth (at least
+        # 100, at most half) of these very files: what this filesystem
+        # itself costs at this size. Its second rename goes to a folder
+        # of its own, not to done/.
+        bare = self.bench.bare_drain(spool, max(size // 10, min(100, size // 2)), f"scale_bare_drain_{label}")
+        figs.append(bare)
+        # Timed inside its process: no start-up to subtract, which on a
+        # noisy host could leave a short drain with a negative time.
+        _, outputs = _run_together([[sys.executable, "-c", _WORKER_DRAIN, spool.path]])
+        ran, drain, rss_kb = outputs[0].split()
+        rss_mb = int(rss_kb) / 1024
+        fig = self.bench.add(Figure(f"scale_drain_{label}", int(ran), float(drain),
+                                    note=f"a worker (Spool.work, as `spoolq work --app` runs it) draining {int(ran):,} "
+                                         f"no-op handler jobs; its peak RSS {rss_mb:.0f} MB"))
+        fig.extra["peak_rss_mb"] = round(rss_mb, 1)
+        figs.append(fig)
+        self._history_spool = (spool, size - bare.jobs)
+        return {f.name: f for f in figs}
+
+    def history_at(self, spool: Spool, finished: int) -> None:
+        """With ``finished`` jobs in done/: compact them (rate), then put
+        100,000 jobs in new/ (not due) and time `status` and `show` of a
+        compacted job, both as whole commands."""
+        ids = [n[:-5] for n in spool.dir.names("done")][:1]
+        t0 = time.perf_counter()
+        result = spool.compact()
+        took = time.perf_counter() - t0
+        self.bench.add(Figure("compact", result["folded"], took, note=f"spoolq compact: {finished:,} done/ files into index.db"))
+        waiting = 100_000
+        later = time.time() + 86400
+        for start in range(0, waiting, 10000):
+            spool.enqueue_many([{"kind": "noop", "run_at": later}] * 10000)
+        self.bench.status_time(spool, f"{_short(finished)}_compacted")
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            subprocess.run(SPOOLQ_CMD + ["-s", spool.path, "show", ids[0], "--json"], capture_output=True, check=True)
+            times.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for _ in range(100):
+            spool.get(ids[0])
+        inproc = (time.perf_counter() - t0) / 100
+        fig = self.bench.add(Figure("show_compacted", 0, min(times), kind="time",
+                                    note=f"spoolq show ID of a compacted job among {finished:,}: {min(times) * 1000:.0f} ms "
+                                         f"(whole command); Spool.get {inproc * 1000:.2f} ms"))
+        fig.extra.update(ms=round(min(times) * 1000, 1), get_ms=round(inproc * 1000, 3))
 
 
 def _noop(payload: Any) -> None:
@@ -755,17 +763,7 @@ def run(spool_path: str, jobs: int, fsync: bool, sections: tuple[str, ...] = SEC
             bench.enqueue_many(jobs)
             bench.enqueue_jsonl(jobs)
         if "drain" in sections:
-            bench.bare_claim(jobs)
-            sample, size = bench.fresh_spool("bare-drain"), min(jobs, 20000)
-            for start in range(0, size, 10000):
-                sample.enqueue_many([{"kind": "noop"}] * min(10000, size - start))
-            bench.bare_drain(sample, size)
-            bench.drain_handlers(jobs)
-            bench.drain_two_workers(jobs)
-            forked = bench.drain_handlers(min(jobs, 5000), name="drain_handlers_forked", timeout=60)
-            inline = bench.figures["drain_handlers"]
-            forked.extra["fork_cost_us"] = round(forked.us_per_job - inline.us_per_job, 1)
-            bench.say(f"cost of the timeout-capable (fork) model: {forked.us_per_job - inline.us_per_job:,.0f} us per job")
+            _drain_section(bench, jobs)
         if "true" in sections:
             bench.true_commands(true_jobs or min(jobs, 2000))
         if "latency" in sections:
@@ -773,18 +771,7 @@ def run(spool_path: str, jobs: int, fsync: bool, sections: tuple[str, ...] = SEC
                 for j in (1, 4):
                     bench.pickup_latency(latency_jobs, j, scope)
         if "sqlite" in sections:
-            bench.sqlite_queue(jobs, "NORMAL")
-            bench.sqlite_queue(min(jobs, 5000), "FULL")
-            # The targets compare like with like: fsync off with NORMAL, on with FULL.
-            sync = "full" if fsync else "normal"
-            bench.sqlite_two_workers(jobs if not fsync else min(jobs, 5000), sync.upper())
-            for mine, theirs in (("enqueue", f"sqlite_{sync}_enqueue"), ("enqueue_many", f"sqlite_{sync}_enqueue"),
-                                 ("drain_handlers", f"sqlite_{sync}_drain"),
-                                 ("drain_handlers_2w", f"sqlite_{sync}_drain_2w")):
-                if mine in bench.figures and theirs in bench.figures:
-                    fig, other = bench.figures[mine], bench.figures[theirs]
-                    fig.extra[f"vs_{theirs}"] = round(fig.rate / other.rate, 3)
-                    fig.note += f"; {fig.rate / other.rate:.2f}x {theirs}"
+            _sqlite_section(bench, jobs, fsync)
         if "status" in sections:
             spool = bench.fresh_spool("status")
             for start in range(0, jobs, 10000):
@@ -794,13 +781,46 @@ def run(spool_path: str, jobs: int, fsync: bool, sections: tuple[str, ...] = SEC
         if "scale" in sections:
             # At 1,000 waiting jobs and at 100 (or 1,000) times as many: a flat
             # cost per job means no operation lists a folder once per job.
-            bench.scale(scale_sizes, with_history="history" in sections)
+            Scale(bench).run(scale_sizes, with_history="history" in sections)
         if "used" in sections:
             bench.used_filesystem(max(jobs, 20000))
     finally:
         if not keep:
             shutil.rmtree(root, ignore_errors=True)
     return bench
+
+
+def _drain_section(bench: Bench, jobs: int) -> None:
+    """The drain section: the bare claim and drain loops, handler jobs drained
+    by one worker and by two, and the cost of the fork model per job."""
+    bench.bare_claim(jobs)
+    sample, size = bench.fresh_spool("bare-drain"), min(jobs, 20000)
+    for start in range(0, size, 10000):
+        sample.enqueue_many([{"kind": "noop"}] * min(10000, size - start))
+    bench.bare_drain(sample, size)
+    bench.drain_handlers(jobs)
+    bench.drain_two_workers(jobs)
+    forked = bench.drain_handlers(min(jobs, 5000), name="drain_handlers_forked", timeout=60)
+    inline = bench.figures["drain_handlers"]
+    forked.extra["fork_cost_us"] = round(forked.us_per_job - inline.us_per_job, 1)
+    bench.say(f"cost of the timeout-capable (fork) model: {forked.us_per_job - inline.us_per_job:,.0f} us per job")
+
+
+def _sqlite_section(bench: Bench, jobs: int, fsync: bool) -> None:
+    """The sqlite section: the SQLite-table queue's figures, and spoolq's
+    figures measured so far as ratios to them."""
+    bench.sqlite_queue(jobs, "NORMAL")
+    bench.sqlite_queue(min(jobs, 5000), "FULL")
+    # The targets compare like with like: fsync off with NORMAL, on with FULL.
+    sync = "full" if fsync else "normal"
+    bench.sqlite_two_workers(jobs if not fsync else min(jobs, 5000), sync.upper())
+    for mine, theirs in (("enqueue", f"sqlite_{sync}_enqueue"), ("enqueue_many", f"sqlite_{sync}_enqueue"),
+                         ("drain_handlers", f"sqlite_{sync}_drain"),
+                         ("drain_handlers_2w", f"sqlite_{sync}_drain_2w")):
+        if mine in bench.figures and theirs in bench.figures:
+            fig, other = bench.figures[mine], bench.figures[theirs]
+            fig.extra[f"vs_{theirs}"] = round(fig.rate / other.rate, 3)
+            fig.note += f"; {fig.rate / other.rate:.2f}x {theirs}"
 
 
 def machine() -> dict[str, Any]:

@@ -189,6 +189,33 @@ def enqueue(ctx, args, use_argv, kind, payload, job_json, jsonl, job_id, max_att
       spoolq enqueue --jsonl jobs.jsonl
     """
     spool = _spool(ctx)
+    args, use_argv, job_json = _command_form(args, use_argv, kind, job_json, jsonl)
+    options = _job_options(ctx, payload, job_id, max_attempts, timeout, delay, at, env, cwd)
+    if jsonl is not None:
+        if job_id is not None:
+            fail("--id cannot apply to many jobs; put an id in each line", 2)
+        jobs = [_cwd_here(fields) for fields in _read_jsonl(jsonl, options)]
+        try:
+            with _creating(spool):
+                ids = spool.enqueue_many(jobs)
+        except PartlyEnqueued as e:
+            _print_ids(e.ids)  # these will run: a caller must not enqueue them again
+            raise
+        except KeyboardInterrupt as e:  # Ctrl-C part way: the same
+            _print_ids(getattr(e, "published_ids", []))
+            raise
+        _print_ids(ids)
+        return
+    fields = _job_fields(args, use_argv, kind, job_json, options)
+    with _creating(spool):
+        job_id = spool.enqueue_job(_cwd_here(fields))
+    _print_ids([job_id])
+
+
+def _command_form(args, use_argv, kind, job_json, jsonl):
+    """Which form the job is given in: a lone JSON object is --json, several
+    words are PROG ARG...; exactly one form must remain. Returns the
+    (args, use_argv, job_json) the rest of enqueue goes by."""
     if len(args) == 1 and not use_argv and job_json is None and args[0].lstrip().startswith("{"):
         # queuectl style: `spoolq enqueue '{"command": "sleep 2"}'`. A shell
         # command that is also a JSON object is not a thing (`{ a; }` is not JSON).
@@ -217,6 +244,11 @@ def enqueue(ctx, args, use_argv, kind, payload, job_json, jsonl, job_id, max_att
     forms = [bool(args) and not use_argv, use_argv, kind is not None, job_json is not None, jsonl is not None]
     if sum(forms) != 1:
         fail("give exactly one of: a command (a shell command, or PROG ARG...), --kind K, --json JSON, --jsonl FILE", 2)
+    return args, use_argv, job_json
+
+
+def _job_options(ctx, payload, job_id, max_attempts, timeout, delay, at, env, cwd) -> dict[str, Any]:
+    """The job fields the options give, the same for every form."""
     if delay is not None and at is not None:
         fail("give --in or --at, not both", 2)
     options: dict[str, Any] = {}
@@ -251,22 +283,11 @@ def enqueue(ctx, args, use_argv, kind, payload, job_json, jsonl, job_id, max_att
         options["env"] = pairs
     if cwd is not None:
         options["cwd"] = cwd
+    return options
 
-    if jsonl is not None:
-        if job_id is not None:
-            fail("--id cannot apply to many jobs; put an id in each line", 2)
-        jobs = [_cwd_here(fields) for fields in _read_jsonl(jsonl, options)]
-        try:
-            with _creating(spool):
-                ids = spool.enqueue_many(jobs)
-        except PartlyEnqueued as e:
-            _print_ids(e.ids)  # these will run: a caller must not enqueue them again
-            raise
-        except KeyboardInterrupt as e:  # Ctrl-C part way: the same
-            _print_ids(getattr(e, "published_ids", []))
-            raise
-        _print_ids(ids)
-        return
+
+def _job_fields(args, use_argv, kind, job_json, options: dict[str, Any]) -> dict[str, Any]:
+    """The one job's fields from its form (--json, argv, --kind or a shell command)."""
     if job_json is not None:
         if job_json == "-" and sys.stdin is None:
             fail("standard input is closed", 2)
@@ -289,9 +310,7 @@ def enqueue(ctx, args, use_argv, kind, payload, job_json, jsonl, job_id, max_att
             # meant for --json, whose typo would otherwise run as sh and fail.
             fail("the command looks like a JSON job object; give it with --json", 2)
         fields = {"command": args[0], **options}
-    with _creating(spool):
-        job_id = spool.enqueue_job(_cwd_here(fields))
-    _print_ids([job_id])
+    return fields
 
 
 @contextlib.contextmanager

@@ -61,104 +61,23 @@ def run_workers(make_worker: Callable[..., Worker], processes: int, max_jobs: in
     killed) stops the others, as a failing worker stops itself: the command
     then exits 1, and whoever restarts it (systemd's Restart=on-failure, the
     next cron run) recovers the job the failed one left in cur/."""
-    parent = os.getpid()
+    relay = _Relay(processes, log)
     # Each worker process writes how many jobs it ran here as it ends (one
     # short line: a single write, whole); read once all have ended.
     ran_reader, ran_writer = os.pipe()
     os.set_blocking(ran_reader, False)
-    children: set[int] = set()
-    stop_signals = 0
-    clean = True
-
-    def tell(relay: int) -> None:
-        for pid in list(children):
-            try:
-                os.kill(pid, relay)
-            except ProcessLookupError:
-                pass
-
-    def pass_on(signum: int) -> None:
-        nonlocal stop_signals
-        name = signal.Signals(signum).name
-        if signum == signal.SIGHUP:
-            tell(signal.SIGHUP)
-            return
-        if signum in RELAYED_SIGNALS:
-            log.line(f"signal={name} ignored: spoolq work -j {processes} stops on SIGTERM or SIGINT", 0, logging.WARNING)
-            return
-        stop_signals += 1
-        if stop_signals == 1:
-            log.line(f"stopping on {name}: {STOPPING}", 1)
-        elif stop_signals == 2:
-            log.line(f"stopping now on {name}: {STOPPING_NOW}", 0, logging.WARNING)
-        tell(signal.SIGUSR1 if stop_signals == 1 else signal.SIGUSR2)
-
-    def reap() -> None:
-        """Reap every worker that has ended (without blocking)."""
-        nonlocal clean
-        while children:
-            # Learn which child ended before reaping it: until it is reaped
-            # its pid cannot be reused, so a signal passed on meanwhile never
-            # reaches a stranger.
-            try:
-                info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT | os.WNOHANG)
-            except ChildProcessError:
-                children.clear()
-                return
-            if info is None:
-                return
-            pid = info.si_pid
-            children.discard(pid)
-            _, status = os.waitpid(pid, 0)
-            code = os.waitstatus_to_exitcode(status)
-            if code != 0:
-                if clean:
-                    tell(signal.SIGUSR1)  # the others finish what they run, then exit
-                clean = False
-                if code < 0:
-                    log.line(f"a worker process (pid {pid}) was killed by {signal.Signals(-code).name}; the others "
-                             "stop, and its job is recovered when spoolq work next starts", 0)
-
-    def on_signal(signum: int, frame: Any) -> None:
-        # Only for a signal the kernel gave another thread of this process
-        # (one an --app module started, where the signals are not blocked):
-        # the main thread runs this once its wait below times out.
-        if os.getpid() == parent:  # (not in a child before its own handlers are in place)
-            pass_on(signum)
-
     # Blocked before the first fork: a child starts with them blocked and
     # unblocks them once its own handlers are in place. SIGCHLD at its
     # default, not ignored (as whoever started us may have left it), or
     # the kernel would send none.
-    old_handlers = {sig: signal.signal(sig, on_signal) for sig in PASSED_ON + RELAYED_SIGNALS}
+    old_handlers = {sig: signal.signal(sig, relay.on_signal) for sig in PASSED_ON + RELAYED_SIGNALS}
     old_handlers[signal.SIGCHLD] = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, WAITED)
     try:
-        for share in shares(max_jobs, processes):
-            if share == 0:
-                continue
-            while (info := signal.sigtimedwait(PASSED_ON, 0)) is not None:
-                pass_on(info.si_signo)
-            if stop_signals:  # told to stop while starting: start no more
-                break
-            for stream in (sys.stdout, sys.stderr):  # or a child would print what the parent buffered
-                _flush(stream)
-            pid = os.fork()
-            if pid == 0:
-                os.close(ran_reader)
-                _worker_process(make_worker, share, log, parent, processes, ran_writer)
-            children.add(pid)
-        if stop_signals:  # (a handler may have run before the last child was added; telling again is harmless)
-            tell(signal.SIGUSR1 if stop_signals == 1 else signal.SIGUSR2)
-        while True:
-            reap()
-            if not children:
-                break
-            # A signal to pass on, or a worker ended; at least every second
-            # a look (the backstop for a signal that went to another thread).
-            info = signal.sigtimedwait(WAITED, 1.0)
-            if info is not None and info.si_signo != signal.SIGCHLD:
-                pass_on(info.si_signo)
+        _start_workers(relay, make_worker, max_jobs, ran_reader, ran_writer)
+        if relay.stop_signals:  # (a handler may have run before the last child was added; telling again is harmless)
+            relay.tell(signal.SIGUSR1 if relay.stop_signals == 1 else signal.SIGUSR2)
+        _wait_for_workers(relay)
     finally:
         # Signals that came after the last worker ended have nobody to go to.
         while signal.sigtimedwait(WAITED, 0) is not None:
@@ -166,15 +85,122 @@ def run_workers(make_worker: Callable[..., Worker], processes: int, max_jobs: in
         signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
         for sig, handler in old_handlers.items():
             signal.signal(sig, handler)
-        os.close(ran_writer)
-        reports = b""
-        try:
-            while chunk := os.read(ran_reader, 65536):
-                reports += chunk
-        except BlockingIOError:  # all read: a forked handler may still hold the other end
-            pass
-        os.close(ran_reader)
-    return sum(int(line) for line in reports.split()), clean
+        reports = _read_reports(ran_reader, ran_writer)
+    return sum(int(line) for line in reports.split()), relay.clean
+
+
+class _Relay:
+    """The parent's side of a run: its worker processes, the stop signals it
+    was sent, and whether every worker has ended cleanly so far."""
+
+    def __init__(self, processes: int, log: Log) -> None:
+        self.parent = os.getpid()
+        self.processes = processes
+        self.log = log
+        self.children: set[int] = set()
+        self.stop_signals = 0
+        self.clean = True
+
+    def tell(self, relay: int) -> None:
+        for pid in list(self.children):
+            try:
+                os.kill(pid, relay)
+            except ProcessLookupError:
+                pass
+
+    def pass_on(self, signum: int) -> None:
+        name = signal.Signals(signum).name
+        if signum == signal.SIGHUP:
+            self.tell(signal.SIGHUP)
+            return
+        if signum in RELAYED_SIGNALS:
+            self.log.line(f"signal={name} ignored: spoolq work -j {self.processes} stops on SIGTERM or SIGINT", 0,
+                          logging.WARNING)
+            return
+        self.stop_signals += 1
+        if self.stop_signals == 1:
+            self.log.line(f"stopping on {name}: {STOPPING}", 1)
+        elif self.stop_signals == 2:
+            self.log.line(f"stopping now on {name}: {STOPPING_NOW}", 0, logging.WARNING)
+        self.tell(signal.SIGUSR1 if self.stop_signals == 1 else signal.SIGUSR2)
+
+    def reap(self) -> None:
+        """Reap every worker that has ended (without blocking)."""
+        while self.children:
+            # Learn which child ended before reaping it: until it is reaped
+            # its pid cannot be reused, so a signal passed on meanwhile never
+            # reaches a stranger.
+            try:
+                info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT | os.WNOHANG)
+            except ChildProcessError:
+                self.children.clear()
+                return
+            if info is None:
+                return
+            pid = info.si_pid
+            self.children.discard(pid)
+            _, status = os.waitpid(pid, 0)
+            code = os.waitstatus_to_exitcode(status)
+            if code != 0:
+                if self.clean:
+                    self.tell(signal.SIGUSR1)  # the others finish what they run, then exit
+                self.clean = False
+                if code < 0:
+                    self.log.line(f"a worker process (pid {pid}) was killed by {signal.Signals(-code).name}; the "
+                                  "others stop, and its job is recovered when spoolq work next starts", 0)
+
+    def on_signal(self, signum: int, frame: Any) -> None:
+        # Only for a signal the kernel gave another thread of this process
+        # (one an --app module started, where the signals are not blocked):
+        # the main thread runs this once its wait below times out.
+        if os.getpid() == self.parent:  # (not in a child before its own handlers are in place)
+            self.pass_on(signum)
+
+
+def _start_workers(relay: _Relay, make_worker: Callable[..., Worker], max_jobs: int | None,
+                   ran_reader: int, ran_writer: int) -> None:
+    """Fork one worker process per nonzero share, passing on the signals
+    that come meanwhile; none more once told to stop."""
+    for share in shares(max_jobs, relay.processes):
+        if share == 0:
+            continue
+        while (info := signal.sigtimedwait(PASSED_ON, 0)) is not None:
+            relay.pass_on(info.si_signo)
+        if relay.stop_signals:  # told to stop while starting: start no more
+            break
+        for stream in (sys.stdout, sys.stderr):  # or a child would print what the parent buffered
+            _flush(stream)
+        pid = os.fork()
+        if pid == 0:
+            os.close(ran_reader)
+            _worker_process(make_worker, share, relay.log, relay.parent, relay.processes, ran_writer)
+        relay.children.add(pid)
+
+
+def _wait_for_workers(relay: _Relay) -> None:
+    """Pass signals on and reap workers until every one has ended."""
+    while True:
+        relay.reap()
+        if not relay.children:
+            break
+        # A signal to pass on, or a worker ended; at least every second
+        # a look (the backstop for a signal that went to another thread).
+        info = signal.sigtimedwait(WAITED, 1.0)
+        if info is not None and info.si_signo != signal.SIGCHLD:
+            relay.pass_on(info.si_signo)
+
+
+def _read_reports(ran_reader: int, ran_writer: int) -> bytes:
+    """What the worker processes wrote as they ended; closes both ends."""
+    os.close(ran_writer)
+    reports = b""
+    try:
+        while chunk := os.read(ran_reader, 65536):
+            reports += chunk
+    except BlockingIOError:  # all read: a forked handler may still hold the other end
+        pass
+    os.close(ran_reader)
+    return reports
 
 
 def _flush(stream: Any) -> None:

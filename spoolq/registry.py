@@ -309,51 +309,67 @@ def take_dead(spool: SpoolDir, wait_for: set[str] = frozenset(), patience: float
     for name in names:
         if not name.endswith(".json"):
             continue
-        deadline = time.monotonic() + patience
-        replaced = 0
-        while True:
-            try:
-                held = spool.hold("workers", name)
-            except Busy:
-                if wait_for and time.monotonic() < deadline and _lists_any(spool, name, wait_for):
-                    time.sleep(0.01)
-                    continue
-                live_ids.add(_worker_of(spool, name))
-                break
-            except OSError as e:
-                if e.errno in (errno.EMFILE, errno.ENFILE):
-                    # Out of descriptors: fail the recovery rather than
-                    # recover a job without killing what its run left alive.
-                    for reg in taken:
-                        reg.release()
-                    raise
-                break
-            except Gone:
-                # The name now names another file: a live worker rewriting its
-                # registration by rename. Look again; if it keeps changing,
-                # its worker is alive.
-                replaced += 1
-                if replaced < 20:
-                    time.sleep(0.001)
-                    continue
-                live_ids.add(_worker_of(spool, name))
-                break
-            except NotRegular:
-                break
-            if trusted is not None and held.st.st_uid not in trusted:
-                held.release()
-                break
-            try:
-                info = json.loads(held.read(1 << 20) or b"{}")
-                if not isinstance(info, dict):
-                    info = {}
-            except (ValueError, RecursionError):
-                info = {}
-            taken.append(DeadRegistration(held, info))
-            break
+        try:
+            held = _hold_dead(spool, name, wait_for, patience, live_ids)
+        except OSError:
+            # Out of descriptors: fail the recovery rather than
+            # recover a job without killing what its run left alive.
+            for reg in taken:
+                reg.release()
+            raise
+        if held is None:
+            continue
+        if trusted is not None and held.st.st_uid not in trusted:
+            held.release()
+            continue
+        taken.append(DeadRegistration(held, _registration_info(held)))
     for reg in taken:
         reg.worker_alive = str(reg.info.get("worker", "")) in live_ids
     return taken
+
+
+def _hold_dead(spool: SpoolDir, name: str, wait_for: set[str], patience: float, live_ids: set[str]) -> Held | None:
+    """Lock one registration if its worker is dead (see take_dead); None if
+    it is not to be taken, its worker id added to ``live_ids`` when that
+    worker is alive. Raises OSError only when out of descriptors."""
+    deadline = time.monotonic() + patience
+    replaced = 0
+    while True:
+        try:
+            return spool.hold("workers", name)
+        except Busy:
+            if wait_for and time.monotonic() < deadline and _lists_any(spool, name, wait_for):
+                time.sleep(0.01)
+                continue
+            live_ids.add(_worker_of(spool, name))
+            return None
+        except OSError as e:
+            if e.errno in (errno.EMFILE, errno.ENFILE):
+                raise
+            return None
+        except Gone:
+            # The name now names another file: a live worker rewriting its
+            # registration by rename. Look again; if it keeps changing,
+            # its worker is alive.
+            replaced += 1
+            if replaced < 20:
+                time.sleep(0.001)
+                continue
+            live_ids.add(_worker_of(spool, name))
+            return None
+        except NotRegular:
+            return None
+
+
+def _registration_info(held: Held) -> dict[str, Any]:
+    """A held registration's JSON object ({} when it is not one)."""
+    try:
+        info = json.loads(held.read(1 << 20) or b"{}")
+        if not isinstance(info, dict):
+            info = {}
+    except (ValueError, RecursionError):
+        info = {}
+    return info
 
 
 def _worker_of(spool: SpoolDir, name: str) -> str:

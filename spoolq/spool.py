@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Mapping
 
 from . import config, record
 from .errors import DuplicateId, Exists, InvalidJob, NotRegular, PartlyEnqueued, SpoolError  # noqa: F401 - importable from here too
-from .protocol import STATES, SpoolDir, file_name, id_of, id_problem, listed_names, new_id, refuse_non_directory
+from .protocol import SpoolDir, file_name, id_of, id_problem, new_id, refuse_non_directory
+from .views import Views
 
 
-class Spool:
+class Spool(Views):
     """A spool directory: enqueue, inspect, cancel, retry and run jobs.
 
     ``Spool()`` uses ``$SPOOLQ_DIR``, else ``./spool``. Nothing is created
@@ -282,166 +283,6 @@ class Spool:
                 extra.append((job, state, finished_at))
         index = self.index() or Index(":memory:", durable=False)
         return stats(index, extra, since)
-
-    def _read_record(self, state: str, name: str, st: os.stat_result | None = None) -> dict[str, Any]:
-        """A file's record as ``show`` prints it (invalid files included)."""
-        job_id = id_of(name)
-        limit = int(self.settings["max_job_bytes"])
-        job: dict[str, Any]
-        try:
-            data, st = self.dir.read(state, name, record.read_size(limit))
-            job = record.parse_sized(data, job_id, limit)
-        except (InvalidJob, NotRegular, OSError):
-            job = None
-        if job is None or (state == "dead" and job.get("error") is None):
-            # Imported here: start-up speed (the transitions bring in the
-            # runner, which `spoolq show` of a good record does not need).
-            from .transitions import dead_reason
-
-            reason = self.dir.noted_reason(name) if state == "dead" else None
-            if reason is None:  # none kept (or not for this file): worked out from the file as it is
-                reason = dead_reason(self.context(), state, name)
-            if job is None:
-                job = {"id": job_id, "error": reason or "unreadable", "valid": False}
-            elif reason:
-                job["error"] = reason
-        if state == "done" and job.get("valid") is not False:
-            job = record.as_done(job)
-        if state == "cur" and self.dir.is_locked("cur", name) is False:
-            job["abandoned"] = True  # its worker died: nobody holds it (see protocol's header)
-        job["state"] = state
-        job["file"] = os.path.join(self.path, state, name)
-        if st is not None:
-            job["mtime"] = record.rfc3339(st.st_mtime)
-            if state in ("new", "failed"):
-                job["due_at"] = record.rfc3339(st.st_mtime)
-        return job
-
-    def get(self, job_id: str) -> dict[str, Any] | None:
-        """The job's record as a dict with ``state`` set from where it is
-        (``new``, ``cur``, ``failed``, ``dead``, ``done``), compacted jobs
-        included; None if there is no such job."""
-        self._open()
-        named = bool(id_problem(job_id))  # a file listed under a name that is no valid id
-        names = listed_names(job_id) if named else (file_name(job_id), job_id)
-        if not names:
-            return None
-        for _ in range(3):  # the file may move between looking and reading
-            where = self.dir.find(names)
-            if where is None:
-                break
-            state, name = where
-            try:
-                job = self._read_record(state, name)
-            except FileNotFoundError:
-                continue
-            if state == "cur":
-                from .registry import live_workers  # imported here: start-up speed (only a job in cur/ needs it)
-
-                for w in live_workers(self.dir):
-                    if job_id in (w.get("jobs") or {}):
-                        job["worker"] = w.get("worker")
-            return job
-        index = self.index() if not named else None
-        if index is not None:
-            return index.get(job_id)
-        return None
-
-    def status(self, on_problem: Callable[[str], None] | None = None) -> dict[str, Any]:
-        """Counts per state (``done`` includes compacted jobs), the jobs in
-        cur/ whose worker died (``abandoned``), and live workers; a file in
-        workers/ that is no registration is skipped and told to ``on_problem``."""
-        self._open()
-        counts: dict[str, Any] = {state: self.dir.count(state) for state in ("new", "cur", "failed")}
-        # A file compaction (or a purge) has committed but not yet removed
-        # counts once, as the index's: done/ and dead/ are listed first,
-        # then the index read as of one instant after that.
-        listed = {state: [id_of(name) for name in self.dir.names(state)] for state in ("dead", "done")}
-        index = self.index()
-        compacted = purged = 0
-        if index is not None:
-            with index.snapshot():
-                compacted, purged = index.count("done"), index.count("dead")
-                for state in ("dead", "done"):
-                    if listed[state]:
-                        folded = index.present(listed[state])
-                        listed[state] = [i for i in listed[state] if i not in folded]
-        counts.update(dead=len(listed["dead"]), done=len(listed["done"]) + compacted, done_files=len(listed["done"]),
-                      compacted=compacted, dead_purged=purged)
-        from .registry import live_workers  # imported here: start-up speed (as in get())
-
-        counts["abandoned"] = sum(self.dir.is_locked("cur", name) is False for name in self.dir.names("cur"))
-        counts["workers"] = [
-            {k: w.get(k) for k in ("worker", "host", "pid", "started_at", "jobs")} for w in live_workers(self.dir, on_problem)
-        ]
-        return counts
-
-    def list(
-        self, state: str | None = None, limit: int | None = None, since: float | None = None
-    ) -> Iterator[dict[str, Any]]:
-        """Records oldest first, by (due or finish time = file mtime, name).
-        ``state`` picks one folder; done includes compacted jobs."""
-        self._open()
-        states = (state,) if state else STATES
-        found = []
-        for st_name in states:
-            for name, st in self.dir.entries(st_name):
-                if since is not None and st.st_mtime < since:
-                    continue
-                found.append((st.st_mtime_ns, name, st_name))
-        found.sort()
-        index = self.index() if "done" in states else None
-        if index is None:
-            yield from self._merged(found, iter(()), limit)
-            return
-        with index.snapshot():
-            # A done/ file whose row compaction has committed is listed
-            # once, from the index (see status).
-            done_ids = [id_of(name) for _, name, st_name in found if st_name == "done"]
-            folded = index.present(done_ids) if done_ids else set()
-            if folded:
-                found = [f for f in found if f[2] != "done" or id_of(f[1]) not in folded]
-            yield from self._merged(found, index.iter_done(since=since), limit, folded_later=self._folded_later)
-
-    def _folded_later(self, job_id: str) -> dict[str, Any] | None:
-        """A job's compacted record, read past the snapshot a listing holds:
-        for a file compaction removed after the snapshot was taken."""
-        from .index import Index  # imported here: start-up speed (as in index())
-
-        later = Index(self.index().path, durable=False, shared=self.dir.shared)
-        try:
-            return later.get(job_id)
-        finally:
-            later.close()
-
-    def _merged(self, found: list, compacted: Iterator[dict[str, Any]], limit: int | None,
-                folded_later: Callable[[str], dict[str, Any] | None] | None = None) -> Iterator[dict[str, Any]]:
-        """The listed files' records and the compacted jobs, merged in order."""
-        count = 0
-        pending = next(compacted, None)
-        for mtime_ns, name, st_name in found:
-            while pending is not None and pending["_sort"] < (mtime_ns, name):
-                if limit is not None and count >= limit:
-                    return
-                pending.pop("_sort", None)
-                yield pending
-                count += 1
-                pending = next(compacted, None)
-            if limit is not None and count >= limit:
-                return
-            try:
-                job = self._read_record(st_name, name)
-            except FileNotFoundError:
-                job = folded_later(id_of(name)) if folded_later is not None and st_name == "done" else None
-                if job is None:
-                    continue
-            yield job
-            count += 1
-        while pending is not None and (limit is None or count < limit):
-            pending.pop("_sort", None)
-            yield pending
-            count += 1
-            pending = next(compacted, None)
 
     # -- changing ----------------------------------------------------------
 

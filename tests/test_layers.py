@@ -29,6 +29,7 @@ LAYERS = [
     ["commit", "outcomes", "strategies"],  # group commit; recording outcomes; -j 1 and -j N
     ["worker"],
     ["pool"],
+    ["views"],  # the read side of Spool: records, listings, counts
     ["spool"],  # the facade: Spool.work is the only way to run workers
     ["bench", "metrics", "testing"],
     ["cli"],
