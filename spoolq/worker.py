@@ -316,14 +316,21 @@ class Worker:
     def run(self) -> int:
         """Recover, then run jobs; returns how many ran."""
         store = self.store
-        store.open()
-        self.registration = store.register()
-        self.registration.start_flusher()
+        # The handlers come before the registration: once a worker can be
+        # seen (a file in workers/), a stop or a reload must find them.
         old_handlers = {}
         if self.signals and threading.current_thread() is threading.main_thread():
             for sig in procs.DIRECT_SIGNALS + RELAYED_SIGNALS:
                 if self.relayed or sig not in RELAYED_SIGNALS or signal.getsignal(sig) == signal.SIG_DFL:
                     old_handlers[sig] = signal.signal(sig, self._on_signal)
+        try:
+            store.open()
+            self.registration = store.register()
+            self.registration.start_flusher()
+        except BaseException:
+            for sig, old in old_handlers.items():
+                signal.signal(sig, old)
+            raise
         committer_stop = threading.Event()
         try:
             if self.max_time is not None:
