@@ -93,9 +93,11 @@ class Spool:
 
     # -- layout ------------------------------------------------------------
 
-    def init(self, group: str | None = None) -> None:
-        """Create the layout (idempotent); ``group`` makes a shared spool."""
-        self.dir.init(group=group)
+    def init(self, group: str | None = None) -> list[tuple[str, int, int]]:
+        """Create the layout (idempotent); ``group`` makes a shared spool.
+        Returns (path, old mode, new mode) of an existing root folder whose
+        loose mode it tightened."""
+        return self.dir.init(group=group)
 
     # -- enqueue -----------------------------------------------------------
 
