@@ -39,6 +39,17 @@ def test_units_stop_jobs_gracefully():
     assert "DirectoryNotEmpty=/var/spool/app/new" in path
 
 
+
+@pytest.mark.parametrize("unit", ["spoolq-worker.service", "spoolq-drain.service"])
+def test_service_units_bound_the_tasks_and_memory_of_their_jobs(unit):
+    """Jobs run inside the unit: a fork bomb or a leak in one must meet a
+    limit of the unit, and an OOM kill of one job must not stop the worker."""
+    settings = dict(line.split("=", 1) for line in (UNITS / unit).read_text().splitlines()
+                    if "=" in line and not line.startswith("#"))
+    assert settings.get("TasksMax", "infinity") != "infinity"
+    assert settings.get("MemoryMax", "infinity") != "infinity"
+    assert settings.get("OOMPolicy") == "continue"
+
 @pytest.mark.parametrize("unit", ["spoolq-worker.service", "spoolq-drain.service"])
 def test_each_units_command_runs_jobs_and_stops_on_sigterm(unit, fast_spool, tmp_path):
     """Audit: the drain unit's `--max-time 10min` was refused (exit 2) on
