@@ -152,7 +152,8 @@ def _existing(ctx: click.Context) -> Spool:
 def init(ctx, group):
     """Create the spool layout (idempotent)."""
     spool = _spool(ctx)
-    spool.init(group=group)
+    for path, old, new in spool.init(group=group):
+        echo(f"spoolq: set the mode of {one_line(path)} to {new:04o} (it was {old:04o})", err=True)
     echo(spool.path)
 
 

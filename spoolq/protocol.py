@@ -241,13 +241,20 @@ class SpoolDir:
     def exists(self) -> bool:
         return os.path.isdir(self.path("new"))
 
-    def init(self, group: str | None = None) -> None:
-        """Create the layout (idempotent). With ``group``, a shared spool."""
-        self._make_layout(group)
+    def init(self, group: str | None = None) -> list[tuple[str, int, int]]:
+        """Create the layout (idempotent). With ``group``, a shared spool.
+        Returns (path, old mode, new mode) for an existing root folder whose
+        mode it changed, for the caller to report."""
+        changed = self._make_layout(group)
         self._close_fds()
         self.open()
+        return changed
 
-    def _make_layout(self, group: str | None) -> None:
+    def _make_layout(self, group: str | None) -> list[tuple[str, int, int]]:
+        """Make the folders and set their owner and modes through descriptors
+        opened with O_NOFOLLOW: a member of the group who swaps a folder for
+        a symlink between two calls gets a refusal, never a chown or chmod of
+        the symlink's target (init often runs as root)."""
         gid = -1
         if group is not None:
             import grp
@@ -260,24 +267,41 @@ class SpoolDir:
                 except (KeyError, ValueError):
                     raise NoSuchGroup(f"--group: no such group: {group}") from None
         mode = 0o2770 if group is not None else 0o700
-        for folder in ("",) + FOLDERS:
-            path = self.path(folder) if folder else self.root
-            try:
-                os.mkdir(path, mode & 0o777)
-                created = True
-            except FileExistsError:
-                created = False
-            except OSError as e:
-                raise SpoolError(f"cannot create {path}: {e.strerror}") from None
-            st = os.lstat(path)
-            if stat.S_ISLNK(st.st_mode) and folder:
-                raise SpoolError(f"{path} is a symlink; spool folders must be real directories")
-            refuse_non_directory(path)
+        # A root given as a symlink (./spool -> /data/spool) is the folder it
+        # names; from there on nothing is followed.
+        root = os.path.realpath(self.root) if os.path.islink(self.root) else self.root
+        if not os.path.isdir(root):
+            refuse_non_directory(self.root)  # a dangling symlink: nothing is made at its target
+        changed = []
+        root_fd, created = _make_folder(root, mode, None)
+        try:
+            st = os.fstat(root_fd)
+            old = stat.S_IMODE(st.st_mode)
             if group is not None:
-                os.chown(path, -1, gid)
-                os.chmod(path, mode)
-            elif created:
-                os.chmod(path, mode)
+                want = mode
+            elif old & stat.S_ISGID and old & 0o070:
+                want = old & ~0o007  # a shared spool stays shared, closed to others
+            else:
+                want = mode if created or old & 0o077 else old
+            if group is not None:
+                os.fchown(root_fd, -1, gid)
+            if want != old or group is not None:
+                os.fchmod(root_fd, want)  # after fchown, which may clear setgid
+            if want != old and not created:
+                changed.append((self.root, old, want))
+            for folder in FOLDERS:
+                fd, created = _make_folder(folder, mode, root_fd, os.path.join(root, folder))
+                try:
+                    if group is not None:
+                        os.fchown(fd, -1, gid)
+                        os.fchmod(fd, mode)
+                    elif created:
+                        os.fchmod(fd, mode)
+                finally:
+                    os.close(fd)
+        finally:
+            os.close(root_fd)
+        return changed
 
     def open(self, create: bool = False) -> None:
         """Open the state folders; with ``create``, make the layout first."""
@@ -1308,6 +1332,28 @@ def _identity(dir_fd: int, name: str, st: os.stat_result) -> str:
     (an inode number is often reused at once once its file is removed)."""
     return f"{st.st_ino} {st.st_dev} {linux.birth_ns(dir_fd, name)}"
 
+
+
+def _make_folder(name: str, mode: int, dir_fd: int | None, shown: str | None = None) -> tuple[int, bool]:
+    """(descriptor, created) of folder ``name`` (relative to ``dir_fd``),
+    made if missing and opened without following a symlink."""
+    shown = shown or name
+    try:
+        os.mkdir(name, mode & 0o777, dir_fd=dir_fd)
+        created = True
+    except FileExistsError:
+        created = False
+    except OSError as e:
+        raise SpoolError(f"cannot create {shown}: {e.strerror}") from None
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno == errno.ELOOP or os.path.islink(shown):
+            raise SpoolError(f"{shown} is a symlink; spool folders must be real directories") from None
+        if e.errno == errno.ENOTDIR:
+            raise SpoolError(f"{shown} exists and is not a directory") from None
+        raise SpoolError(f"cannot open {shown}: {e.strerror}") from None
+    return fd, created
 
 def refuse_non_directory(path: str) -> None:
     """SpoolError when ``path`` exists but is not a directory (say a file

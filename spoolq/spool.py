@@ -94,9 +94,11 @@ class Spool(Views):
 
     # -- layout ------------------------------------------------------------
 
-    def init(self, group: str | None = None) -> None:
-        """Create the layout (idempotent); ``group`` makes a shared spool."""
-        self.dir.init(group=group)
+    def init(self, group: str | None = None) -> list[tuple[str, int, int]]:
+        """Create the layout (idempotent); ``group`` makes a shared spool.
+        Returns (path, old mode, new mode) of an existing root folder whose
+        loose mode it tightened."""
+        return self.dir.init(group=group)
 
     # -- enqueue -----------------------------------------------------------
 
@@ -414,18 +416,28 @@ class WorkResult(int):
 
 def load_app(spec: str) -> dict[str, Callable[[Any], Any]]:
     """Import ``MODULE:ATTR`` and return it as a kind -> handler mapping.
-    The current directory is importable, as with ``python -m``."""
+    The current directory is importable, as with ``python -m``, if only its
+    owner (this user or root) can write it: a module planted there by
+    another user would run as the worker."""
     import importlib
     import sys
 
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise ValueError(f"--app must be MODULE:ATTR, not {spec!r}")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
+    cwd = os.getcwd()
+    unsafe = _writable_by_others(cwd)
+    if unsafe is None:
+        if cwd not in sys.path:
+            sys.path.insert(0, cwd)
+    else:  # `python -m spoolq` put it there first
+        sys.path[:] = [p for p in sys.path if p not in ("", ".", cwd)]
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
+        if unsafe is not None and isinstance(e, ModuleNotFoundError) and e.name == module_name.split(".")[0]:
+            raise ValueError(f"--app: {cwd} is {unsafe}, so it is not put on the import path; run from a directory "
+                             "only you can write, or install the module") from None
         raise ValueError(f"cannot import {module_name}: {e}") from None
     except Exception as e:  # the module itself fails as it is imported
         raise ValueError(f"importing {module_name} failed: {type(e).__name__}: {e}") from None
@@ -448,6 +460,45 @@ def load_app(spec: str) -> dict[str, Callable[[Any], Any]]:
     if bad:
         raise ValueError(f"{spec}: handler for {bad[0]!r} is not callable")
     return dict(obj)
+
+
+def _writable_by_others(path: str) -> str | None:
+    """Why a user other than this one (or root) can put files in ``path``,
+    or None: through its own mode or owner, or through a folder above it
+    that lets others rename it (one writable by others without the sticky bit)."""
+    import pwd
+    import stat
+
+    def owner(uid: int) -> str:
+        try:
+            return pwd.getpwuid(uid).pw_name
+        except KeyError:
+            return str(uid)
+
+    me = os.geteuid()
+    try:
+        st = os.stat(path)
+    except OSError:
+        return "unreadable"
+    if st.st_uid not in (me, 0):
+        return f"owned by another user ({owner(st.st_uid)})"
+    if st.st_mode & 0o002:
+        return "writable by others"
+    if st.st_mode & 0o020:
+        return "writable by its group"
+    above = os.path.dirname(os.path.realpath(path))
+    while True:
+        try:
+            st = os.stat(above)
+        except OSError:
+            return None
+        if st.st_uid not in (me, 0):
+            return f"inside {above}, owned by another user ({owner(st.st_uid)})"
+        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+            return f"inside {above}, which others can write"
+        if above == os.path.dirname(above):
+            return None
+        above = os.path.dirname(above)
 
 
 def _empty_or_missing(path: str) -> bool:

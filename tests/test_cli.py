@@ -575,3 +575,38 @@ def test_prometheus_reports_a_broken_config_as_a_metric_and_still_prints_the_oth
     proc, fam = scrape('{"fsync": false}')
     assert proc.returncode == 0 and proc.stderr == ""
     assert fam["spoolq_config_ok"].samples[0].value == 1
+
+
+def _app_in(folder, mode: int) -> str:
+    folder.mkdir()
+    (folder / "planted_app.py").write_text(
+        "import os\nopen(os.path.join(os.path.dirname(__file__), 'imported'), 'w').close()\n"
+        "HANDLERS = {'hello': lambda p: 'hello ' + p}\n")
+    os.chmod(folder, mode)
+    return str(folder)
+
+
+def test_app_is_not_imported_from_a_current_directory_others_can_write(tmp_path):
+    """A module another user planted in a shared folder (/tmp, a group's
+    folder) would run as the worker: --app does not import from there."""
+    s = SpoolFixture(tmp_path / "spool")
+    s.run("init")
+    shared = _app_in(tmp_path / "shared", 0o777)
+    job_id = s.enqueue("--kind", "hello", "--payload", '"you"')
+    proc = s.run("work", "--app", "planted_app:HANDLERS", cwd=shared, check=False)
+    assert not os.path.exists(os.path.join(shared, "imported"))
+    assert proc.returncode == 2 and s.where(job_id) == ["new"]
+    assert proc.stderr == (f"spoolq: --app: {shared} is writable by others, so it is not put on the import path; "
+                           "run from a directory only you can write, or install the module\n")
+    # Installed (here: on PYTHONPATH, which the user chose), it is imported wherever the worker runs.
+    proc = s.run("work", "--app", "planted_app:HANDLERS", cwd=str(tmp_path), env={"PYTHONPATH": shared})
+    assert s.show(job_id)["result"] == "hello you"
+
+
+def test_app_is_imported_from_the_users_own_0755_current_directory(tmp_path):
+    s = SpoolFixture(tmp_path / "spool")
+    s.run("init")
+    own = _app_in(tmp_path / "app", 0o755)
+    job_id = s.enqueue("--kind", "hello", "--payload", '"me"')
+    s.run("work", "--app", "planted_app:HANDLERS", cwd=own)
+    assert s.show(job_id)["result"] == "hello me" and os.path.exists(os.path.join(own, "imported"))

@@ -39,6 +39,17 @@ def test_units_stop_jobs_gracefully():
     assert "DirectoryNotEmpty=/var/spool/app/new" in path
 
 
+
+@pytest.mark.parametrize("unit", ["spoolq-worker.service", "spoolq-drain.service"])
+def test_service_units_bound_the_tasks_and_memory_of_their_jobs(unit):
+    """Jobs run inside the unit: a fork bomb or a leak in one must meet a
+    limit of the unit, and an OOM kill of one job must not stop the worker."""
+    settings = dict(line.split("=", 1) for line in (UNITS / unit).read_text().splitlines()
+                    if "=" in line and not line.startswith("#"))
+    assert settings.get("TasksMax", "infinity") != "infinity"
+    assert settings.get("MemoryMax", "infinity") != "infinity"
+    assert settings.get("OOMPolicy") == "continue"
+
 @pytest.mark.parametrize("unit", ["spoolq-worker.service", "spoolq-drain.service"])
 def test_each_units_command_runs_jobs_and_stops_on_sigterm(unit, fast_spool, tmp_path):
     """Audit: the drain unit's `--max-time 10min` was refused (exit 2) on
@@ -65,18 +76,23 @@ def test_each_units_command_runs_jobs_and_stops_on_sigterm(unit, fast_spool, tmp
             proc.wait()
 
 
-@pytest.mark.skipif(shutil.which("flock") is None, reason="flock(1) is not installed")
-def test_the_crontab_line_runs_jobs(fast_spool, tmp_path):
+def _crontab_command(spool_path) -> list[str]:
+    """The crontab's one active line, run against ``spool_path`` and for 1 s."""
     lines = [line for line in (ROOT / "contrib" / "cron" / "spoolq.crontab").read_text().splitlines()
              if line.strip() and not line.startswith("#") and "=" not in line.split()[0]]
     assert len(lines) == 1
     fields = lines[0].split(None, 5)
     assert len(fields) == 6 and fields[:5] == ["*"] * 5
-    command = shlex.split(fields[5])
-    command = [str(fast_spool.path / ".cron.lock") if a == "/var/spool/app/.cron.lock" else a for a in command]
+    command = [a.replace("/var/spool/app", str(spool_path)) for a in shlex.split(fields[5])]
     command = ["1s" if a == "55s" else a for a in command]
     spoolq_at = command.index("spoolq")
     command[spoolq_at:spoolq_at + 1] = SPOOLQ
+    return command
+
+
+@pytest.mark.skipif(shutil.which("flock") is None, reason="flock(1) is not installed")
+def test_the_crontab_line_runs_jobs(fast_spool, tmp_path):
+    command = _crontab_command(fast_spool.path)
     done = tmp_path / "done"
     job_id = fast_spool.enqueue(f"touch {done}")
     fast_spool.drop("dropped.json", '{"command": "pwd -P"}')  # no cwd: the crontab's user's home, as its comment says
@@ -89,6 +105,34 @@ def test_the_crontab_line_runs_jobs(fast_spool, tmp_path):
     home = pwd.getpwuid(os.geteuid()).pw_dir
     assert fast_spool.show("dropped")["stdout"] == os.path.realpath(home if os.path.isdir(home) else "/") + "\n"
 
+
+
+@pytest.mark.skipif(shutil.which("flock") is None, reason="flock(1) is not installed")
+def test_the_crontab_lock_skips_a_second_worker_and_follows_no_symlink_a_member_plants(fast_spool, tmp_path):
+    """A member of a shared spool's group can write in the spool folder. A
+    symlink planted under any name there must not lead the cron user's flock
+    to open or create a file elsewhere, and the lock still keeps a second
+    worker from starting while one runs."""
+    target = tmp_path / "made-by-cron"
+    for name in (".cron.lock", ".lock", "cron.lock", "lock"):
+        (fast_spool.path / name).symlink_to(target)
+    command = _crontab_command(fast_spool.path)
+    env = dict(os.environ, SPOOLQ_DIR=str(fast_spool.path), HOME=str(tmp_path))
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert not target.exists()
+    # While a worker holds the lock, the next minute's line starts nothing.
+    flock_at = command.index("flock")
+    lock = command[flock_at + 2]
+    holder = subprocess.Popen(["flock", "-n", lock, "sleep", "30"])
+    try:
+        wait_for(lambda: subprocess.run(["flock", "-n", lock, "true"]).returncode != 0, what="the lock to be held")
+        job_id = fast_spool.enqueue("true")
+        proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60, cwd=str(tmp_path))
+        assert proc.returncode != 0 and fast_spool.where(job_id) == ["new"]
+    finally:
+        holder.kill()
+        holder.wait()
 
 @pytest.mark.parametrize("script, args", [("big-folder.py", ["300"]), ("lean-drain.py", ["300", "1"])])
 def test_the_bench_scripts_run_and_report(tmp_path, script, args):

@@ -244,6 +244,83 @@ def test_a_state_folder_that_is_a_symlink_is_refused(tmp_path):
     assert proc.returncode == 1 and "symlink" in proc.stderr
 
 
+
+@needs_root
+def test_init_group_never_changes_a_folder_swapped_in_through_a_symlink(tmp_path):
+    """A member of the group can rename the spool's folders: one who swaps
+    new/ for a symlink to a root-only folder, again and again while root runs
+    `init --group`, must never get that folder's owner or mode changed."""
+    if shutil.which("groupadd") is None:
+        pytest.skip("groupadd not available")
+    group = f"sq23r{os.getpid() % 100000}"
+    subprocess.run(["groupadd", group], check=True, capture_output=True)
+    racer = None
+    try:
+        victim = tmp_path / "victim"
+        victim.mkdir()
+        os.chmod(victim, 0o700)
+        before = os.stat(victim)
+        s = SpoolFixture(tmp_path / "spool")
+        s.run("init", "--group", group)
+        racer = subprocess.Popen([sys.executable, "-c", """
+import ctypes, os, sys
+new, aside, victim = sys.argv[1:]
+os.symlink(victim, aside)
+libc = ctypes.CDLL(None, use_errno=True)
+AT_FDCWD, RENAME_EXCHANGE = -100, 2
+a, b = new.encode(), aside.encode()
+while True:  # swap the folder and the symlink atomically, back and forth
+    if libc.renameat2(AT_FDCWD, a, AT_FDCWD, b, RENAME_EXCHANGE) != 0:
+        try:  # no RENAME_EXCHANGE here: the same, in four renames
+            os.rename(new, aside + ".dir")
+            os.rename(aside, new)
+            os.rename(new, aside)
+            os.rename(aside + ".dir", new)
+        except OSError:
+            pass
+""", str(s.path / "new"), str(s.path / "new.aside"), str(victim)])
+        deadline = time.monotonic() + 20
+        rounds = 0
+        while rounds < 200 and time.monotonic() < deadline:
+            proc = s.run("init", "--group", group, check=False)
+            assert "Traceback" not in proc.stderr, proc.stderr
+            rounds += 1
+            after = os.stat(victim)
+            assert (after.st_uid, after.st_gid, after.st_mode) == (before.st_uid, before.st_gid, before.st_mode), \
+                f"victim changed after {rounds} rounds: {stat.filemode(after.st_mode)} gid {after.st_gid}"
+    finally:
+        if racer is not None:
+            racer.kill()
+            racer.wait()
+        subprocess.run(["groupdel", group], capture_output=True)
+
+
+@pytest.mark.parametrize("loose", [0o755, 0o777], ids=["0755", "0777"])
+def test_init_sets_the_mode_of_a_loose_private_root_folder_and_says_so(tmp_path, loose):
+    root = tmp_path / "spool"
+    root.mkdir()
+    os.chmod(root, loose)
+    s = SpoolFixture(root)
+    proc = s.run("init")
+    assert stat.S_IMODE(os.stat(root).st_mode) == 0o700
+    assert proc.stderr.strip() == f"spoolq: set the mode of {root} to 0700 (it was {loose:04o})"
+    # Idempotent: a second init has nothing to change and says nothing.
+    assert s.run("init").stderr == ""
+    assert stat.S_IMODE(os.stat(root).st_mode) == 0o700
+
+
+@needs_root
+def test_init_group_sets_the_mode_of_an_existing_root_folder_and_says_so(tmp_path):
+    root = tmp_path / "spool"
+    root.mkdir()
+    os.chmod(root, 0o777)
+    s = SpoolFixture(root)
+    proc = s.run("init", "--group", "0")
+    assert stat.S_IMODE(os.stat(root).st_mode) == 0o2770
+    assert proc.stderr.strip() == f"spoolq: set the mode of {root} to 2770 (it was 0777)"
+    # `init` without --group keeps a shared spool shared.
+    assert s.run("init").stderr == "" and stat.S_IMODE(os.stat(root).st_mode) == 0o2770
+
 def test_lone_surrogates_and_extreme_numbers_never_stop_the_spool(fast_spool, tmp_path):
     """Regression (review): a lone surrogate made every later work and sweep
     crash; huge run_at/timeout values overflowed clock calls."""
