@@ -209,8 +209,11 @@ def test_outcomes_that_finish_together_share_their_syncs(spool, tmp_path):
     lines = "".join(json.dumps({"argv": [sys.executable, "-c", wait, str(gate), str(started)], "id": f"tog{i}"}) + "\n"
                     for i in range(jobs))
     spool.run("enqueue", "--jsonl", "-", input=lines)
-    program = [sys.executable, "-c", "import sys; from spoolq import Spool; from spoolq.worker import Log; "
-               f"Spool({str(spool.path)!r}).work(jobs={jobs}, log=Log(sys.stderr, 1))"]
+    # A commit interval of seconds: the jobs are let go at once, but under
+    # strace on a loaded machine their ends still spread over more than the
+    # default interval, and the contract is about jobs that end together.
+    program = [sys.executable, "-c", "import sys; from spoolq import Spool; from spoolq.worker import Log, Tuning; "
+               f"Spool({str(spool.path)!r}).work(jobs={jobs}, log=Log(sys.stderr, 1), tuning=Tuning(commit_seconds=2.0))"]
     holder = open(gate)
     fcntl.flock(holder, fcntl.LOCK_EX)
     result: dict = {}
@@ -230,8 +233,11 @@ def test_outcomes_that_finish_together_share_their_syncs(spool, tmp_path):
     _assert_each_outcome_durable_moved_synced_then_logged(spool, calls, jobs, "tog")
     first_move = min(_published(calls, spool.path / "done" / f"tog{i}.json").began for i in range(jobs))
     done_syncs = [c for c in calls if c.began > first_move and _folder_synced(c, spool.path / "done")]
-    assert 1 <= len(done_syncs) <= jobs // 4, len(done_syncs)
-    assert len([c for c in calls if c.name in SYNCS and _data_synced(c, spool)]) <= jobs // 4 + 2, \
+    # Far fewer than one each: a dispatcher with nothing left to claim also
+    # commits whenever it finds no finish since its last look, so jobs that
+    # end a few milliseconds apart under strace can make a few commits.
+    assert 1 <= len(done_syncs) <= jobs // 2, len(done_syncs)
+    assert len([c for c in calls if c.name in SYNCS and _data_synced(c, spool)]) <= jobs // 2 + 2, \
         [c.text for c in calls if c.name in SYNCS]
     assert len(spool.ids("done")) == jobs
 
