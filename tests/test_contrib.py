@@ -124,7 +124,9 @@ def test_the_crontab_lock_skips_a_second_worker_and_follows_no_symlink_a_member_
     # While a worker holds the lock, the next minute's line starts nothing.
     flock_at = command.index("flock")
     lock = command[flock_at + 2]
-    holder = subprocess.Popen(["flock", "-n", lock, "sleep", "30"])
+    # Without -n: the probe below holds the lock for a moment, and a holder
+    # that tried then would give up and leave it free for good.
+    holder = subprocess.Popen(["flock", lock, "sleep", "30"])
     try:
         wait_for(lambda: subprocess.run(["flock", "-n", lock, "true"]).returncode != 0, what="the lock to be held")
         job_id = fast_spool.enqueue("true")
@@ -133,6 +135,7 @@ def test_the_crontab_lock_skips_a_second_worker_and_follows_no_symlink_a_member_
     finally:
         holder.kill()
         holder.wait()
+
 
 @pytest.mark.parametrize("script, args", [("big-folder.py", ["300"]), ("lean-drain.py", ["300", "1"])])
 def test_the_bench_scripts_run_and_report(tmp_path, script, args):
