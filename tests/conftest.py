@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from users import users  # noqa: F401 - the throwaway users of a shared spool's tests
+
 ROOT = Path(__file__).resolve().parent.parent
 _script = shutil.which("spoolq", path=os.path.dirname(sys.executable))
 SPOOLQ = [_script] if _script else [sys.executable, "-m", "spoolq"]
