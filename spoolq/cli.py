@@ -147,7 +147,7 @@ def _existing(ctx: click.Context) -> Spool:
 
 
 @cli.command()
-@click.option("--group", help="Share the spool with this group (folders 0770 + setgid, files 0660).")
+@click.option("--group", help="Share the spool with this group: members enqueue and read (root 2750, state folders 3770, files 0640).")
 @click.pass_context
 def init(ctx, group):
     """Create the spool layout (idempotent)."""

@@ -15,7 +15,8 @@ import os
 import stat
 from typing import Any
 
-from .errors import ConfigError  # noqa: F401 - importable from here too
+from .errors import ConfigError, SpoolError  # noqa: F401 - importable from here too
+from .owners import check_owner_file
 from .record import MAX_TIMEOUT, parse_duration
 
 DEFAULTS: dict[str, Any] = {
@@ -187,10 +188,16 @@ def read_file(path: str) -> bytes:
             raise ConfigError(f"{path} is a socket, not a regular file") from None
         raise
     try:
-        mode = os.fstat(fd).st_mode
+        st = os.fstat(fd)
+        mode = st.st_mode
         if not stat.S_ISREG(mode):
             what = next((name for test, name in _KINDS if test(mode)), "of another kind")
             raise ConfigError(f"{path} is {what}, not a regular file")
+        try:
+            # Settings decide whose files run: only the spool's owner (or root) may have written them.
+            check_owner_file(path, st, os.stat(os.path.dirname(path) or ".").st_uid)
+        except SpoolError as e:
+            raise ConfigError(str(e)) from None
         chunks, left = [], 1 << 20
         while left > 0:
             chunk = os.read(fd, left)

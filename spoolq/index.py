@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 from . import record
 from .errors import SpoolError
-from .protocol import duplicate_name, file_name, id_of
+from .protocol import check_owner_file, duplicate_name, file_name, id_of
 
 SCHEMA_VERSION = 2
 
@@ -308,7 +308,7 @@ class Index:
     def __init__(self, path: str, durable: bool = True, shared: bool = False):
         self.path = path
         self.durable = durable
-        self.shared = shared  # a group-shared spool: the database and its -wal and -shm files 0660
+        self.shared = shared  # a group-shared spool: the database and its -wal and -shm files 0640
         self.read_only = False  # the connection is the read-only fallback (see db)
         self._read_only_since = 0.0
         self._db: sqlite3.Connection | None = None
@@ -344,9 +344,9 @@ class Index:
     def _open(self) -> sqlite3.Connection:
         if self.path != ":memory:" and not os.path.lexists(self.path):
             self._create()
-        self._refuse_non_files()
         if self.shared:
             self._share()
+        self._refuse_non_files()
         db = sqlite3.connect(self.path, timeout=60, isolation_level=None, check_same_thread=False)
         try:
             self._distrust(db)
@@ -370,7 +370,7 @@ class Index:
             # Made here, not by SQLite: never through a symlink planted at
             # the name, and with the spool's mode whatever the umask (SQLite
             # gives the -wal and -shm files the database's mode).
-            mode = 0o660 if self.shared else 0o600
+            mode = 0o640 if self.shared else 0o600
             fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
             try:
                 os.fchmod(fd, mode)
@@ -423,16 +423,21 @@ class Index:
 
     def _refuse_non_files(self) -> None:
         """Raise SpoolError when index.db, or its -wal or -shm file, is a
-        symlink or anything but a regular file: SQLite would follow it and
-        create or write the file it points to."""
+        symlink or anything but a regular file (SQLite would follow it and
+        create or write the file it points to), or is not the spool owner's
+        alone to write (see protocol.check_owner_file)."""
         if self.path == ":memory:":
             return
+        owner = os.stat(os.path.dirname(self.path) or ".").st_uid
         for path in (self.path, self.path + "-wal", self.path + "-shm"):
             try:
-                mode = os.lstat(path).st_mode
+                st = os.lstat(path)
             except FileNotFoundError:
                 continue
-            if not stat.S_ISREG(mode):
+            mode = st.st_mode
+            if stat.S_ISREG(mode):
+                check_owner_file(path, st, owner)
+            else:
                 what = "a symbolic link" if stat.S_ISLNK(mode) else "not a regular file"
                 raise SpoolError(f"{path} is {what}: not opened (index.db and its -wal and -shm files "
                                  "must be regular files)")
@@ -449,16 +454,9 @@ class Index:
             raise
 
     def _share(self) -> None:
-        """Make the database 0660, and its -wal and -shm files (SQLite gives
-        them the database's mode): another user of the group must write them
-        too, whatever this process's umask."""
-        try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o660)
-        except FileExistsError:
-            pass
-        else:
-            os.fchmod(fd, 0o660)
-            os.close(fd)
+        """Make the database 0640, and its -wal and -shm files (SQLite gives
+        them the database's mode less the umask): members of the group read
+        them whatever this process's umask; only the owner writes them."""
         for path in (self.path, self.path + "-wal", self.path + "-shm"):
             try:
                 # Through a descriptor opened without following a symlink: a
@@ -468,8 +466,8 @@ class Index:
                 continue  # not there, or not a file we may open: its owner's process mends it
             try:
                 st = os.fstat(fd)
-                if st.st_uid == os.geteuid() and stat.S_ISREG(st.st_mode) and st.st_mode & 0o660 != 0o660:
-                    os.fchmod(fd, 0o660)
+                if st.st_uid == os.geteuid() and stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) != 0o640:
+                    os.fchmod(fd, 0o640)
             except OSError:
                 pass
             finally:

@@ -27,6 +27,7 @@ import zlib
 from typing import Callable, Iterator, NamedTuple
 
 from . import linux, procs
+from .owners import check_owner_file, user_name  # noqa: F401 - importable from here too
 from .errors import Busy, Exists, Gone, NoSuchGroup, NotASpool, NotRegular, SpoolError  # noqa: F401 - importable from here too
 from .ids import (  # noqa: F401 - importable from here too
     REASON_PREFIX,
@@ -55,6 +56,16 @@ IN_PLACE_LIMIT = 4096
 SLOW_READ_NS = 40_000
 
 TMP_MAX_AGE = 36 * 3600  # Maildir's rule: a tmp/ file this old is abandoned.
+
+# The modes of a shared spool (init --group), as docs/design.md's trust
+# model states them: members read the root folder but cannot replace what
+# is in it (config.json, index.db); they make files in the state folders,
+# whose sticky bit stops them moving or removing files they do not own;
+# registrations are the owner's alone.
+SHARED_ROOT = 0o2750
+SHARED_FOLDER = 0o3770
+SHARED_WORKERS = 0o2750
+OWNER_FILES = ("config.json", "index.db", "index.db-wal", "index.db-shm")
 
 
 
@@ -228,7 +239,8 @@ class SpoolDir:
         self.fsync = fsync
         self._fds: dict[str, int] = {}
         self._open_lock = threading.Lock()
-        self.shared = False  # a group-shared spool: files 0660, folders 0770+setgid
+        self.shared = False  # a group-shared spool (see SHARED_ROOT)
+        self.owner = -1  # the uid that owns the root folder, once open
         self.slow_reads = 0  # job reads that took longer than SLOW_READ_NS (see Held.read)
         self.syncs = GroupSync(self)  # deferred folder syncs and the spare files
         self.reasons = DeadReasons(self)  # why each file in dead/ is there
@@ -266,23 +278,21 @@ class SpoolDir:
                     gid = grp.getgrgid(int(group)).gr_gid
                 except (KeyError, ValueError):
                     raise NoSuchGroup(f"--group: no such group: {group}") from None
-        mode = 0o2770 if group is not None else 0o700
         # A root given as a symlink (./spool -> /data/spool) is the folder it
         # names; from there on nothing is followed.
         root = os.path.realpath(self.root) if os.path.islink(self.root) else self.root
         if not os.path.isdir(root):
             refuse_non_directory(self.root)  # a dangling symlink: nothing is made at its target
         changed = []
-        root_fd, created = _make_folder(root, mode, None)
+        root_fd, created = _make_folder(root, 0o700 if group is None else SHARED_ROOT, None)
         try:
             st = os.fstat(root_fd)
             old = stat.S_IMODE(st.st_mode)
-            if group is not None:
-                want = mode
-            elif old & stat.S_ISGID and old & 0o070:
-                want = old & ~0o007  # a shared spool stays shared, closed to others
+            shared = group is not None or bool(old & stat.S_ISGID and old & 0o070)
+            if shared:
+                want = SHARED_ROOT  # a shared spool stays shared, with the modes of the trust model
             else:
-                want = mode if created or old & 0o077 else old
+                want = 0o700 if created or old & 0o077 else old
             if group is not None:
                 os.fchown(root_fd, -1, gid)
             if want != old or group is not None:
@@ -290,15 +300,18 @@ class SpoolDir:
             if want != old and not created:
                 changed.append((self.root, old, want))
             for folder in FOLDERS:
-                fd, created = _make_folder(folder, mode, root_fd, os.path.join(root, folder))
+                fmode = (SHARED_WORKERS if folder == "workers" else SHARED_FOLDER) if shared else 0o700
+                fd, made = _make_folder(folder, fmode, root_fd, os.path.join(root, folder))
                 try:
                     if group is not None:
                         os.fchown(fd, -1, gid)
-                        os.fchmod(fd, mode)
-                    elif created:
-                        os.fchmod(fd, mode)
+                    if shared or made:
+                        os.fchmod(fd, fmode)
                 finally:
                     os.close(fd)
+            if shared:
+                for name in OWNER_FILES:
+                    _tighten_file(root_fd, name, 0o640, gid)
         finally:
             os.close(root_fd)
         return changed
@@ -332,6 +345,9 @@ class SpoolDir:
                         if os.path.islink(path):
                             raise SpoolError(f"{path} is a symlink; spool folders must be real directories") from None
                         raise SpoolError(f"{path} is not a directory") from None
+                    except PermissionError as e:
+                        e.filename = path  # said as "permission denied: PATH", the folder to look at
+                        raise
                     except OSError as e:
                         if e.errno == errno.ELOOP:
                             raise SpoolError(f"{path} is a symlink; spool folders must be real directories") from None
@@ -341,11 +357,19 @@ class SpoolDir:
                     raise SpoolError(f"the folders of {self.root} are on different filesystems; rename(2) needs one")
                 root_st = os.stat(self.root)
                 self.shared = bool(root_st.st_mode & stat.S_ISGID and root_st.st_mode & 0o070)
+                self.owner = root_st.st_uid
+                _check_ownership(self.root, root_st, {f: os.fstat(fd) for f, fd in fds.items()})
             except BaseException:
                 for fd in fds.values():
                     os.close(fd)
                 raise
             self._fds = fds
+
+    def require_owner(self, action: str) -> None:
+        """Refuse (SpoolError) unless this user owns the open spool or is
+        root: a member of a shared spool's group only enqueues and reads."""
+        if os.geteuid() not in (self.owner, 0):
+            raise SpoolError(f"only {user_name(self.owner)}, who owns {self.root}, or root may {action}")
 
     def fd(self, folder: str) -> int:
         if not self._fds:
@@ -404,7 +428,7 @@ class SpoolDir:
 
     @property
     def file_mode(self) -> int:
-        return 0o660 if self.shared else 0o600
+        return 0o640 if self.shared else 0o600  # only the file's owner writes it
 
     def staged_records(self) -> dict[str, list[str]]:
         """The staged records in cur/ (see ``Held.stage``), by the name of
@@ -676,7 +700,7 @@ class SpoolDir:
         view, so nobody ever sees it unlocked."""
         dir_fd = self.fd(folder)
         tmp = "." + self.tmp_name(name)
-        mode = 0o660 if self.shared else 0o644  # shared: a recovery by another user of the group rewrites it
+        mode = self.file_mode
         fd = _open_held(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
         try:
             if self.shared:
@@ -1343,10 +1367,16 @@ def _make_folder(name: str, mode: int, dir_fd: int | None, shown: str | None = N
         created = True
     except FileExistsError:
         created = False
+    except PermissionError as e:
+        e.filename = shown  # said as "permission denied: PATH"
+        raise
     except OSError as e:
         raise SpoolError(f"cannot create {shown}: {e.strerror}") from None
     try:
         fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except PermissionError as e:
+        e.filename = shown
+        raise
     except OSError as e:
         if e.errno == errno.ELOOP or os.path.islink(shown):
             raise SpoolError(f"{shown} is a symlink; spool folders must be real directories") from None
@@ -1354,6 +1384,68 @@ def _make_folder(name: str, mode: int, dir_fd: int | None, shown: str | None = N
             raise SpoolError(f"{shown} exists and is not a directory") from None
         raise SpoolError(f"cannot open {shown}: {e.strerror}") from None
     return fd, created
+
+def _tighten_file(root_fd: int, name: str, mode: int, gid: int) -> None:
+    """Give the owner's file ``name`` in the root folder ``mode`` (and
+    group ``gid`` unless -1), through a descriptor; a symlink or another
+    user's file is left for opening to refuse."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=root_fd)
+    except OSError:
+        return
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode) and st.st_uid in (os.geteuid(), 0):
+            if gid != -1:
+                os.fchown(fd, -1, gid)
+            os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
+
+
+def _fix_for(root: str, root_st: os.stat_result) -> str:
+    """The command that sets a spool's modes right, for an error to end with."""
+    if root_st.st_mode & stat.S_ISGID and root_st.st_mode & 0o070:
+        import grp
+
+        try:
+            group = grp.getgrgid(root_st.st_gid).gr_name
+        except KeyError:
+            group = str(root_st.st_gid)
+        return f"run 'spoolq -s {root} init --group {group}' as {user_name(root_st.st_uid)}"
+    return f"run 'spoolq -s {root} init' as {user_name(root_st.st_uid)}"
+
+
+def _check_ownership(root: str, root_st: os.stat_result, folders: dict[str, os.stat_result]) -> None:
+    """Refuse a spool that is not the caller's to use, or that others could
+    have changed (docs/design.md, "Security"): its root folder belongs to
+    this user or root, or it is a shared spool of a group this user is in;
+    no folder is writable by others, nor by the group except a state
+    folder with the sticky bit; every folder belongs to the spool's owner
+    or root."""
+    me, owner, mode = os.geteuid(), root_st.st_uid, root_st.st_mode
+    shared = bool(mode & stat.S_ISGID and mode & 0o070)
+    if owner not in (me, 0) and me != 0:
+        member = root_st.st_gid == os.getegid() or root_st.st_gid in os.getgroups()
+        if not (shared and member):
+            raise SpoolError(f"{root} belongs to {user_name(owner)}: spoolq uses a spool of your own, root's, "
+                             "or a shared one of a group you are in")
+    if mode & 0o002:
+        raise SpoolError(f"{root} is writable by every user (mode {stat.S_IMODE(mode):o}); {_fix_for(root, root_st)}")
+    if mode & 0o020:
+        raise SpoolError(f"{root} is writable by its group (mode {stat.S_IMODE(mode):o}), so a member could replace "
+                         f"its settings; {_fix_for(root, root_st)}")
+    for folder, st in folders.items():
+        path = os.path.join(root, folder)
+        if st.st_uid not in (owner, 0):
+            raise SpoolError(f"{path} belongs to {user_name(st.st_uid)}, not to the spool's owner "
+                             f"{user_name(owner)}; {_fix_for(root, root_st)}")
+        loose = st.st_mode & 0o002 or (st.st_mode & 0o020 and (folder == "workers" or not st.st_mode & stat.S_ISVTX))
+        if loose:
+            who = "every user" if st.st_mode & 0o002 else "its group"
+            raise SpoolError(f"{path} is writable by {who} (mode {stat.S_IMODE(st.st_mode):o}), so one user could "
+                             f"move or remove another's files; {_fix_for(root, root_st)}")
+
 
 def refuse_non_directory(path: str) -> None:
     """SpoolError when ``path`` exists but is not a directory (say a file

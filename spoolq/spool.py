@@ -73,9 +73,10 @@ class Spool(Views):
             # the folders without the settings (the file is then written
             # with fsync, the default).
             self.dir.open(create=True)
+        self.dir.require_owner("change its settings")
         stored = config.read_stored(self.path)
         stored[key] = checked
-        self.dir.replace_file(None, "config.json", config.dumps(stored), mode=0o664 if self.dir.shared else 0o600)
+        self.dir.replace_file(None, "config.json", config.dumps(stored))
         self._settings.loaded = False  # read again when next needed
         return checked
 
@@ -89,8 +90,10 @@ class Spool(Views):
         return Context(self.dir, self.settings, index_has=self._index_has)
 
     def _open(self, create: bool = False) -> None:
-        self.settings  # noqa: B018 - loads config and the fsync setting first
+        # The folders first: what is wrong with them (a loose mode, another
+        # user's spool) comes before what is wrong with a file in them.
         self.dir.open(create=create)
+        self.settings  # noqa: B018 - loads config and the fsync setting
 
     # -- layout ------------------------------------------------------------
 
@@ -252,6 +255,7 @@ class Spool(Views):
         from .compact import compact  # imported here: start-up speed (as the index)
 
         self._open(create=True)
+        self.dir.require_owner("compact it")
         return compact(self.dir, self.index(create=True), self.settings, keep)
 
     def purge_dead(self, older_than: float) -> dict[str, int]:
@@ -259,6 +263,7 @@ class Spool(Views):
         from .compact import purge_dead  # imported here: start-up speed (as the index)
 
         self._open()
+        self.dir.require_owner("purge it")
         try:
             return purge_dead(self.dir, self.index(create=True), self.settings, older_than)
         finally:
@@ -334,6 +339,7 @@ class Spool(Views):
         from . import recovery  # imported here: start-up speed (as in context())
 
         self._open(create=True)
+        self.dir.require_owner("sweep it")
         try:
             report = recovery.recover(self.context())
         finally:
@@ -377,6 +383,7 @@ class Spool(Views):
         from .output import as_log  # imported here: start-up speed (as the worker)
 
         self._open(create=True)
+        self.dir.require_owner("run workers on it")
         options = dict(handlers=dict(handlers or {}), max_time=max_time, watch=watch, poll=poll, log=as_log(log), tuning=tuning)
         if processes and max_jobs is not None:
             jobs = max(1, min(jobs, max_jobs))  # no worker process without a job to claim; one still recovers

@@ -117,6 +117,11 @@ def check(ctx: Context, st: os.stat_result, read: Callable[[int], bytes], name: 
             f"owned by untrusted user {_user_name(st.st_uid)} (uid {st.st_uid}); "
             "add it to the trusted_users setting to run its jobs"
         )
+    if st.st_mode & 0o002 or (st.st_mode & 0o020 and ctx.spool.shared):
+        # Then its owner is not the only one who could have written what it says.
+        who = "every user" if st.st_mode & 0o002 else "the spool's group"
+        raise InvalidJob(f"writable by {who} (mode {stat.S_IMODE(st.st_mode):o}), so anyone there could have "
+                         "changed it; write job files with umask 027 (mode 0640)")
     limit = int(ctx.settings["max_job_bytes"])
     if st.st_size > record.max_file_bytes(limit):
         raise InvalidJob(f"{st.st_size} bytes, larger than max_job_bytes ({limit})")

@@ -19,7 +19,7 @@ PACKAGE = ROOT / "spoolq"
 # each other.
 LAYERS = [
     ["errors", "ids", "linux"],  # leaves: import nothing from spoolq
-    ["procs", "record"],
+    ["owners", "procs", "record"],
     ["config", "protocol"],
     ["output", "waker"],
     ["registry", "runner", "watcher"],

@@ -1,0 +1,256 @@
+"""The trust model of a shared spool (docs/design.md, "Security"), tried
+with real users as a hostile member of the group would: ``owner`` owns the
+spool and runs its workers, ``web`` is a trusted member, ``evil`` an
+untrusted member and ``out`` is not in the group."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+from pathlib import Path
+
+from conftest import ROOT
+
+MODES = {"": 0o2750, "tmp": 0o3770, "new": 0o3770, "cur": 0o3770, "failed": 0o3770, "dead": 0o3770,
+         "done": 0o3770, "workers": 0o2750}
+
+
+def _shared(users, trusted: str | None = "web") -> Path:
+    """A shared spool of ``owner``, with ``web`` trusted."""
+    spool = users.folder("shared", owner=users.owner) / "spool"
+    run = users.spoolq(users.owner, "-s", str(spool), "init", "--group", users.group)
+    assert run.returncode == 0, run.stderr
+    assert users.spoolq(users.owner, "-s", str(spool), "config", "set", "fsync", "false").returncode == 0
+    if trusted:
+        name = getattr(users, trusted).name
+        assert users.spoolq(users.owner, "-s", str(spool), "config", "set", "trusted_users", name).returncode == 0
+    return spool
+
+
+def _drop_as(users, user, spool: Path, name: str, job: dict, umask: str = "027"):
+    """The README's shell drop, as ``user`` under ``umask``."""
+    return users.sh(user, 'printf "%s\\n" "$2" > "$1/tmp/$3" && mv "$1/tmp/$3" "$1/new/$3.json"',
+                    str(spool), json.dumps(job), name, umask=umask)
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(os.lstat(path).st_mode)
+
+
+def _one_line_error(run) -> str:
+    assert run.returncode != 0 and run.stderr.count("\n") == 1 and "Traceback" not in run.stderr, run.stderr
+    return run.stderr
+
+
+def test_a_shared_spool_has_the_documented_modes_and_a_member_enqueues_and_reads(users):
+    spool = _shared(users)
+    gid = users.gid
+    for folder, mode in MODES.items():
+        st = os.stat(spool / folder)
+        assert (stat.S_IMODE(st.st_mode), st.st_gid, st.st_uid) == (mode, gid, users.owner.uid), folder
+    assert _mode(spool / "config.json") == 0o640
+    out = users.folder("out", owner=users.web)
+    os.chmod(out, 0o777)
+    # However careless its umask, spoolq and spoolq-drop write files only their owner may write.
+    ids = []
+    for umask in ("000", "002", "077"):
+        run = users.spoolq(users.web, "-s", str(spool), "enqueue", f"echo {umask} >> {out}/ran", umask=umask)
+        assert run.returncode == 0, run.stderr
+        ids.append(run.stdout.strip())
+    drop = users.folder("bin") / "spoolq-drop"
+    shutil.copy(ROOT / "contrib" / "spoolq-drop", drop)
+    os.chmod(drop, 0o755)
+    run = users.sh(users.web, f"{drop} -s {spool} 'echo drop >> {out}/ran'", umask="002")
+    assert run.returncode == 0, run.stderr
+    ids.append(run.stdout.strip())
+    assert _drop_as(users, users.web, spool, "shell", {"command": f"echo shell >> {out}/ran"}).returncode == 0
+    ids.append("shell")
+    for job_id in ids:
+        st = os.stat(spool / "new" / f"{job_id}.json")
+        assert (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) == (0o640, users.web.uid, gid), job_id
+    # The member reads the spool ...
+    assert users.spoolq(users.web, "-s", str(spool), "list").stdout.count("new") == 5
+    # ... but runs no worker, compaction or settings change.
+    for args in (["work"], ["sweep"], ["compact"], ["purge", "--dead", "--older-than", "1d"],
+                 ["config", "set", "trusted_users", users.evil.name]):
+        error = _one_line_error(users.spoolq(users.web, "-s", str(spool), *args))
+        assert f"only {users.owner.name}, who owns {spool}, or root may" in error, args
+    run = users.spoolq(users.owner, "-s", str(spool), "work")
+    assert run.returncode == 0, run.stderr
+    assert sorted((out / "ran").read_text().split()) == ["000", "002", "077", "drop", "shell"]
+    for job_id in ids:
+        st = os.stat(spool / "done" / f"{job_id}.json")
+        assert stat.S_IMODE(st.st_mode) == 0o640, job_id  # the record the worker wrote: the owner's alone
+    assert users.spoolq(users.owner, "-s", str(spool), "compact").returncode == 0
+    for name in ("index.db", "index.db-wal", "index.db-shm"):
+        if (spool / name).exists():
+            assert _mode(spool / name) == 0o640 and os.stat(spool / name).st_uid == users.owner.uid, name
+    run = users.spoolq(users.web, "-s", str(spool), "show", ids[0])
+    assert run.returncode == 0 and "outcome: succeeded" in run.stdout, run.stderr
+    # Someone outside the group cannot even look.
+    assert users.spoolq(users.out, "-s", str(spool), "list").returncode != 0
+
+
+def test_a_member_cannot_rewrite_the_settings_to_trust_itself(users):
+    spool = _shared(users)
+    out = users.folder("out", owner=users.evil)
+    forged = json.dumps({"trusted_users": [users.evil.name], "fsync": False})
+    attempts = [
+        f"printf '%s' '{forged}' > {spool}/config.json",
+        f"printf '%s' '{forged}' > {spool}/forged && mv -f {spool}/forged {spool}/config.json",
+        f"rm -f {spool}/config.json",
+        f"ln -s {out}/mine.json {spool}/index.db",
+    ]
+    for attempt in attempts:
+        assert users.sh(users.evil, attempt).returncode != 0, attempt
+    assert _drop_as(users, users.evil, spool, "evil", {"command": f"touch {out}/pwned"}).returncode == 0
+    assert users.spoolq(users.owner, "-s", str(spool), "work").returncode == 0
+    assert not (out / "pwned").exists()
+    show = users.spoolq(users.owner, "-s", str(spool), "show", "evil").stdout
+    assert "untrusted user sqtevil" in show
+
+
+def test_settings_or_an_index_that_another_user_could_have_written_are_refused(users):
+    spool = _shared(users)
+    # A config.json the member got in somehow (made by root for it here):
+    # the worker refuses to run with it, and says what to do.
+    config = spool / "config.json"
+    config.write_text(json.dumps({"trusted_users": [users.evil.name]}))
+    os.chown(config, users.evil.uid, users.gid)
+    error = _one_line_error(users.spoolq(users.owner, "-s", str(spool), "work"))
+    assert f"{config} belongs to sqtevil, not to the spool's owner sqtowner" in error
+    os.chown(config, users.owner.uid, users.gid)
+    os.chmod(config, 0o660)
+    error = _one_line_error(users.spoolq(users.owner, "-s", str(spool), "status"))
+    assert f"{config} is writable by its group (mode 660)" in error and "chmod go-w" in error
+    os.chmod(config, 0o640)
+    assert users.spoolq(users.owner, "-s", str(spool), "status").returncode == 0
+    # The same for the index.
+    assert users.spoolq(users.owner, "-s", str(spool), "enqueue", "true").returncode == 0
+    assert users.spoolq(users.owner, "-s", str(spool), "work").returncode == 0
+    assert users.spoolq(users.owner, "-s", str(spool), "compact").returncode == 0
+    os.chown(spool / "index.db", users.evil.uid, users.gid)
+    for args in (["stats"], ["show", "--json", "x"]):
+        error = _one_line_error(users.spoolq(users.owner, "-s", str(spool), *args))
+        assert "index.db belongs to sqtevil" in error, args
+
+
+def test_a_member_cannot_change_or_replace_a_trusted_members_job(users):
+    spool = _shared(users)
+    out = users.folder("out", owner=users.evil)
+    os.chmod(out, 0o777)
+    assert _drop_as(users, users.web, spool, "careful", {"command": f"echo web > {out}/careful"}).returncode == 0
+    evil_job = json.dumps({"command": f"id -un > {out}/careful"})
+    attempts = [
+        f"printf '%s' '{evil_job}' > {spool}/new/careful.json",
+        f"printf '%s' '{evil_job}' > {spool}/tmp/x && mv -f {spool}/tmp/x {spool}/new/careful.json",
+        f"mv {spool}/new/careful.json {spool}/tmp/stolen",
+        f"rm -f {spool}/new/careful.json",
+    ]
+    for attempt in attempts:
+        assert users.sh(users.evil, attempt).returncode != 0, attempt
+    # A file its writer left group-writable could have been changed by any
+    # member: it does not run.
+    run = _drop_as(users, users.web, spool, "careless", {"command": f"echo web > {out}/careless"}, umask="002")
+    assert run.returncode == 0 and _mode(spool / "new" / "careless.json") == 0o664
+    assert users.sh(users.evil, f"printf '%s' '{json.dumps({'command': f'id -un > {out}/careless'})}' "
+                                f"> {spool}/new/careless.json").returncode == 0
+    assert users.spoolq(users.owner, "-s", str(spool), "work").returncode == 0
+    assert (out / "careful").read_text() == "web\n"
+    assert not (out / "careless").exists()
+    show = users.spoolq(users.owner, "-s", str(spool), "show", "careless").stdout
+    assert "writable by the spool's group (mode 664)" in show and "umask 027" in show
+
+
+def test_a_member_cannot_rename_a_record_back_into_new(users):
+    spool = _shared(users)
+    out = users.folder("out", owner=users.web)
+    os.chmod(out, 0o777)
+    job = users.spoolq(users.web, "-s", str(spool), "enqueue", f"echo once >> {out}/ran").stdout.strip()
+    assert users.spoolq(users.owner, "-s", str(spool), "work").returncode == 0
+    record = spool / "done" / f"{job}.json"
+    assert os.stat(record).st_uid == users.owner.uid
+    # The record is the owner's: no member may rename it, or write it.
+    for attempt in (f"mv {record} {spool}/new/", f"mv {record} {spool}/new/again.json",
+                    f"printf x >> {record}", f"rm -f {record}"):
+        assert users.sh(users.evil, attempt).returncode != 0, attempt
+        assert users.sh(users.web, attempt).returncode != 0, attempt
+    # A copy made by a member is that member's file, and evil is not trusted.
+    assert users.sh(users.evil, f"cp {record} {spool}/tmp/c && mv {spool}/tmp/c {spool}/new/copy.json").returncode == 0
+    assert users.spoolq(users.owner, "-s", str(spool), "work").returncode == 0
+    assert (out / "ran").read_text() == "once\n"
+
+
+def test_a_member_cancels_its_own_waiting_job_and_no_one_elses(users):
+    spool = _shared(users)
+    mine = users.spoolq(users.web, "-s", str(spool), "enqueue", "--in", "1h", "true").stdout.strip()
+    theirs = users.spoolq(users.owner, "-s", str(spool), "enqueue", "--in", "1h", "true").stdout.strip()
+    run = users.spoolq(users.web, "-s", str(spool), "cancel", mine)
+    assert run.returncode == 0, run.stderr
+    run = users.spoolq(users.evil, "-s", str(spool), "cancel", theirs)
+    assert run.returncode != 0 and "Traceback" not in run.stderr
+    assert (spool / "new" / f"{theirs}.json").exists()
+
+
+def test_a_spool_another_user_made_is_refused(users):
+    # evil makes a spool where others will look for one: a world-writable
+    # folder the owner works in, and a spool it names on the command line.
+    public = users.folder("public")
+    os.chmod(public, 0o1777)
+    out = users.folder("out", owner=users.evil)
+    os.chmod(out, 0o777)
+    run = users.spoolq(users.evil, "-s", str(public / "spool"), "init", umask="000")
+    assert run.returncode == 0, run.stderr
+    users.sh(users.evil, f"chmod 755 {public}/spool {public}/spool/*")
+    assert _drop_as(users, users.evil, public / "spool", "trap", {"command": f"id -un > {out}/ran"}).returncode == 0
+    error = _one_line_error(users.spoolq(users.owner, "-s", str(public / "spool"), "work"))
+    assert f"{public}/spool belongs to sqtevil" in error
+    error = _one_line_error(users.spoolq(users.owner, "enqueue", "echo secret", cwd=str(public)))
+    assert "belongs to sqtevil" in error
+    assert os.listdir(public / "spool" / "new") == ["trap.json"]
+    assert not (out / "ran").exists()
+    # A shared spool of a group the user is in is a member's to use: it
+    # enqueues there, but it runs no worker on it.
+    shared = users.folder("evilshared", owner=users.evil) / "spool"
+    assert users.spoolq(users.evil, "-s", str(shared), "init", "--group", users.group).returncode == 0
+    assert users.spoolq(users.owner, "-s", str(shared), "enqueue", "true").returncode == 0
+    error = _one_line_error(users.spoolq(users.owner, "-s", str(shared), "work"))
+    assert "only sqtevil, who owns" in error
+
+
+def test_an_older_shared_spools_loose_modes_are_refused_until_init_sets_them(users):
+    spool = _shared(users)
+    job = users.spoolq(users.web, "-s", str(spool), "enqueue", "true").stdout.strip()
+    for folder in MODES:
+        os.chmod(spool / folder, 0o2770)
+    os.chmod(spool / "config.json", 0o664)
+    fix = f"run 'spoolq -s {spool} init --group {users.group}' as {users.owner.name}"
+    for user in (users.owner, users.web):
+        error = _one_line_error(users.spoolq(user, "-s", str(spool), "status"))
+        assert f"{spool} is writable by its group (mode 2770)" in error and fix in error
+    run = users.spoolq(users.owner, "-s", str(spool), "init", "--group", users.group)
+    assert run.returncode == 0 and "2750 (it was 2770)" in run.stderr, run.stderr
+    for folder, mode in MODES.items():
+        assert _mode(spool / folder) == mode, folder
+    assert _mode(spool / "config.json") == 0o640
+    assert users.spoolq(users.owner, "-s", str(spool), "work").returncode == 0
+    assert (spool / "done" / f"{job}.json").exists()
+
+
+def test_a_private_spool_is_the_owners_alone_under_any_umask(users):
+    base = users.folder("private", owner=users.owner)
+    for umask in ("000", "022"):
+        spool = base / f"spool{umask}"
+        assert users.spoolq(users.owner, "-s", str(spool), "init", umask=umask).returncode == 0
+        job = users.spoolq(users.owner, "-s", str(spool), "enqueue", "echo secret", umask=umask).stdout.strip()
+        assert users.spoolq(users.owner, "-s", str(spool), "config", "set", "fsync", "false", umask=umask).returncode == 0
+        assert users.spoolq(users.owner, "-s", str(spool), "work", umask=umask).returncode == 0
+        assert users.spoolq(users.owner, "-s", str(spool), "compact", "--keep", "1d", umask=umask).returncode == 0
+        for folder in ("", "tmp", "new", "cur", "failed", "dead", "done", "workers"):
+            assert _mode(spool / folder) == 0o700, (umask, folder)
+        for name in ("config.json", "index.db"):
+            assert _mode(spool / name) == 0o600, (umask, name)
+        assert users.spoolq(users.web, "-s", str(spool), "show", job).returncode != 0
+        assert users.sh(users.web, f"cat {spool}/index.db").returncode != 0
