@@ -124,7 +124,16 @@ def check(ctx: Context, st: os.stat_result, read: Callable[[int], bytes], name: 
     problem = id_problem(job_id)
     if problem:
         raise InvalidJob(f"bad file name: {problem}")
-    return record.parse_sized(read(record.read_size(limit)), job_id, limit)
+    job = record.parse_sized(read(record.read_size(limit)), job_id, limit)
+    _check_accepted(ctx, st, job)
+    return job
+
+
+def _check_accepted(ctx: Context, st: os.stat_result, job: dict) -> None:
+    """Refuse what the settings refuse."""
+    problem = config.refusal(ctx.settings, job)
+    if problem:
+        raise InvalidJob(problem)
 
 
 def dead_reason(ctx: Context, folder: str, name: str) -> str | None:
