@@ -119,13 +119,14 @@ def test_a_members_job_stays_the_members_after_the_root_worker_rewrites_it(users
 
 def test_a_file_of_a_uid_without_a_password_entry_goes_to_dead(users):
     path = _shared(users, trusted="sqtweb,4242")
-    _drop(path, "ghost.json", {"command": "touch /ghost-ran"}, 4242, users.gid)
+    ran = users.folder("ghost") / "ran"
+    _drop(path, "ghost.json", {"command": f"touch {ran}"}, 4242, users.gid)
     _work(users, path)
     assert _where(path, "ghost") == ["dead"]
     assert _show(users, path, "ghost")["error"] == (
         "owned by uid 4242, which has no entry in the password database; "
         "a root worker runs each job as its file's owner")
-    assert not os.path.exists("/ghost-ran")
+    assert not ran.exists()
 
 
 def test_a_members_handler_job_goes_to_dead_under_a_root_worker_unless_root_handlers(users):
