@@ -30,6 +30,9 @@ DEFAULTS: dict[str, Any] = {
     "output_limit": 8192,
     "max_job_bytes": 1048576,
     "trusted_users": [],
+    "allow_commands": True,
+    "allowed_kinds": [],
+    "root_handlers": False,
     "compact_after": 10000,
     "rescan_interval": 30,
 }
@@ -45,6 +48,9 @@ HELP = {
     "output_limit": "bytes of stdout and of stderr kept in the record (the tail)",
     "max_job_bytes": "largest job file that is read; larger ones go to dead/",
     "trusted_users": "users besides the worker's own and root whose job files run",
+    "allow_commands": "run command and argv jobs (false: they go to dead/, enqueue refuses them)",
+    "allowed_kinds": "the handler kinds that run (empty = every kind); others go to dead/",
+    "root_handlers": "a root worker runs handler jobs whose file root does not own (as root)",
     "compact_after": "fold done/ into index.db when it holds more files (0 = never)",
     "rescan_interval": "seconds between full rescans in watch mode",
 }
@@ -145,6 +151,21 @@ def _users(key: str, value: Any, stored: bool = False) -> list[str]:
     return users
 
 
+def _kinds(key: str, value: Any) -> list[str]:
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("["):
+            try:
+                value = json.loads(text)
+            except ValueError:
+                raise ConfigError(f"{key} must be a list of kinds") from None
+        else:
+            value = [k.strip() for k in text.split(",") if k.strip()]
+    if not isinstance(value, list) or not all(isinstance(k, str) and k for k in value):
+        raise ConfigError(f"{key} must be a list of kinds (names of handlers)")
+    return list(value)
+
+
 def check(key: str, value: Any, stored: bool = False) -> Any:
     """Validate one setting and return it in its stored type. ``stored``:
     read from config.json, where a duration beyond the cap (written before
@@ -164,11 +185,29 @@ def check(key: str, value: Any, stored: bool = False) -> Any:
         return _seconds(key, value, above=True, clamp=stored)
     if key in ("backoff_initial", "backoff_max", "timeout", "timeout_grace"):
         return _seconds(key, value, clamp=stored)
-    if key == "fsync":
+    if key in ("fsync", "allow_commands", "root_handlers"):
         return _bool(key, value)
+    if key == "allowed_kinds":
+        return _kinds(key, value)
     if key == "trusted_users":
         return _users(key, value, stored)
     raise AssertionError(key)
+
+
+def refusal(settings: dict[str, Any], job: dict) -> str | None:
+    """Why the spool's settings refuse a job of this kind (allow_commands,
+    allowed_kinds), or None: the reason a worker gives it in dead/, and
+    enqueue's for refusing it."""
+    kind = job.get("kind")
+    if kind is None:
+        if not settings.get("allow_commands", True):
+            what = "argv" if job.get("argv") is not None else "command"
+            return f"{what} jobs are not allowed in this spool (allow_commands is false)"
+        return None
+    kinds = settings.get("allowed_kinds") or []
+    if kinds and kind not in kinds:
+        return f"kind {kind!r} is not in this spool's allowed_kinds ({', '.join(kinds)})"
+    return None
 
 
 _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),

@@ -247,7 +247,7 @@ def _validate_env(env: Any) -> None:
 # producer's; an id may be either, and is short).
 SPOOLQ_FIELDS = frozenset(("id", "history", "history_dropped", "attempts", "state", "outcome", "exit_code", "error",
                            "stdout", "stderr", "result", "result_dropped", "created_at", "finished_at",
-                           "failed_at", "retried_at"))
+                           "failed_at", "retried_at", "run_as"))
 
 # A record spoolq has written (one with a history) may be this much larger
 # than max_job_bytes, as long as the producer's own fields fit in it. A

@@ -203,6 +203,13 @@ def default_cwd() -> str:
     return _home
 
 
+def home_of(user: Any) -> str:
+    """Where a job run as ``user`` (a password entry) runs without a
+    ``cwd``: that user's home directory, or / when it has none."""
+    home = user.pw_dir
+    return home if home and os.path.isdir(home) else "/"
+
+
 def _in_place(cwd: str) -> bool:
     """Whether ``cwd`` is the worker's own directory, so posix_spawn (which
     cannot change directory) may start the job."""
@@ -213,7 +220,7 @@ def _in_place(cwd: str) -> bool:
 
 
 def _spawn(argv: list[str], env: dict[str, str], cwd: str | None, fds: tuple[int, int, int],
-           close: list[int], threaded: bool):
+           close: list[int], threaded: bool, user: Any = None):
     """Start a job's process as the leader of a new session with ``fds`` as
     its stdin, stdout and stderr, closing ``close`` and every close-on-exec
     descriptor. posix_spawn (a vfork and exec, without Popen's Python-side
@@ -222,14 +229,20 @@ def _spawn(argv: list[str], env: dict[str, str], cwd: str | None, fds: tuple[int
     Popen, which lets the GIL go, is faster. Popen is also the way for a
     ``cwd`` other than the worker's own, which os.posix_spawn cannot set, and for closing a descriptor
     at or above the soft open-file limit (inherited from a parent with a
-    higher one), which the C library refuses to put in a close action."""
+    higher one), which the C library refuses to put in a close action.
+    ``user`` (a password entry) is whom to run it as: Popen sets its groups
+    (as initgroups would), group and user in the child, before the exec."""
     def popen() -> subprocess.Popen:
+        ids = {}
+        if user is not None:
+            ids = {"user": user.pw_uid, "group": user.pw_gid,
+                   "extra_groups": os.getgrouplist(user.pw_name, user.pw_gid)}
         return subprocess.Popen(argv, stdin=fds[0], stdout=fds[1], stderr=fds[2], cwd=cwd, env=env,
-                                start_new_session=True, close_fds=True)
+                                start_new_session=True, close_fds=True, **ids)
 
     if cwd is not None and _in_place(cwd):
         cwd = None
-    if cwd is not None or threaded or (close and max(close) >= procs.open_file_limit()):
+    if cwd is not None or threaded or user is not None or (close and max(close) >= procs.open_file_limit()):
         return popen()
     actions = [(os.POSIX_SPAWN_DUP2, fds[0], 0), (os.POSIX_SPAWN_DUP2, fds[1], 1), (os.POSIX_SPAWN_DUP2, fds[2], 2)]
     actions += [(os.POSIX_SPAWN_CLOSE, fd) for fd in close if fd not in fds]
@@ -426,6 +439,7 @@ class RunPlan:
     outputs: tuple[int, int] | None = None
     spent: list[int] | None = None
     spin: float = 0.0
+    user: Any = None  # a password entry: run the command as this user (a root worker)
 
 
 def run_process(job: dict, plan: RunPlan) -> Outcome:
@@ -528,9 +542,10 @@ class _Exec:
             argv = ["/bin/sh", "-c", "--", job["command"]]
         try:
             stdin = self.stdin if self.stdin is not None else _stdin_devnull()
-            cwd = os.path.join(default_cwd(), job["cwd"]) if job.get("cwd") else default_cwd()
+            home = default_cwd() if plan.user is None else home_of(plan.user)
+            cwd = os.path.join(home, job["cwd"]) if job.get("cwd") else home
             return _spawn(argv, self.env, cwd, (stdin, outputs[0], outputs[1]),
-                          inheritable_fds() if plan.close is None else plan.close, plan.threaded)
+                          inheritable_fds() if plan.close is None else plan.close, plan.threaded, plan.user)
         except OSError as e:
             where = f": {e.filename}" if e.filename else ""
             out.error = f"cannot start: {e.strerror or e}{where}"

@@ -131,6 +131,9 @@ class Spool(Views):
             if when > now:
                 mtime_ns = int(when * 1e9)
         job = record.new_job(fields, job_id, now)
+        problem = config.refusal(self.settings, job)
+        if problem:
+            raise InvalidJob(problem)
         data = record.serialise(job)
         limit = int(self.settings["max_job_bytes"])
         if len(data) > limit:

@@ -129,7 +129,50 @@ def check(ctx: Context, st: os.stat_result, read: Callable[[int], bytes], name: 
     problem = id_problem(job_id)
     if problem:
         raise InvalidJob(f"bad file name: {problem}")
-    return record.parse_sized(read(record.read_size(limit)), job_id, limit)
+    job = record.parse_sized(read(record.read_size(limit)), job_id, limit)
+    _check_accepted(ctx, st, job)
+    return job
+
+
+def _check_accepted(ctx: Context, st: os.stat_result, job: dict) -> None:
+    """Refuse what the settings refuse, and, for a root worker, settle whose
+    job this is. A root worker runs a command as the owner of its file, and
+    every record it rewrites becomes root's, so the owner is kept in the
+    record as ``run_as``: believed only in a file root owns (a producer can
+    write the field, but cannot make root own its file), and set from the
+    owner of any other file, whatever that file says."""
+    problem = config.refusal(ctx.settings, job)
+    if problem:
+        raise InvalidJob(problem)
+    if os.geteuid() != 0:
+        return
+    if st.st_uid != 0:
+        job["run_as"] = owner = st.st_uid
+    else:
+        owner = job.get("run_as", 0)
+        if not isinstance(owner, int) or isinstance(owner, bool) or owner < 0:
+            raise InvalidJob(f"run_as must be a uid (an integer >= 0), not {repr(owner)[:40]}")
+        if owner not in ctx.trusted_uids:
+            raise InvalidJob(
+                f"to run as untrusted user {_user_name(owner)} (uid {owner}); "
+                "add it to the trusted_users setting to run its jobs"
+            )
+    if owner == 0:
+        return
+    if job.get("kind") is not None:
+        if not ctx.settings.get("root_handlers", False):
+            raise InvalidJob(
+                f"a handler job owned by {_user_name(owner)} (uid {owner}): a root worker runs handlers as root, "
+                "so it runs only root's handler jobs unless the root_handlers setting is true"
+            )
+        return
+    try:
+        pwd.getpwuid(owner)
+    except KeyError:
+        raise InvalidJob(
+            f"owned by uid {owner}, which has no entry in the password database; "
+            "a root worker runs each job as its file's owner"
+        ) from None
 
 
 def dead_reason(ctx: Context, folder: str, name: str) -> str | None:

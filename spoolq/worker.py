@@ -78,6 +78,18 @@ STOPPING = "no new jobs; running jobs finish (a second SIGTERM or SIGINT kills t
 STOPPING_NOW = "running jobs are killed and go back to failed/"
 
 
+def _run_as(job: dict) -> Any:
+    """The password entry of the user a root worker runs a command job as
+    (the owner of its file, which the claim keeps in ``run_as``), or None:
+    run it as the worker. Raises KeyError for a uid without an entry."""
+    uid = job.get("run_as")
+    if not uid or os.geteuid() != 0:
+        return None
+    import pwd
+
+    return pwd.getpwuid(uid)
+
+
 class ReadAhead:
     """Reads a pass's waiting files into memory ahead of their claims, once
     claims are seen waiting for the disk.
@@ -638,7 +650,12 @@ class Worker:
         kind = job.get("kind")
         if kind is not None:
             return fork_handler(self.handlers.get(kind), job, plan)
-        plan.env, plan.close = self._env(job, claimed.attempt), self._spawn_closes
+        try:
+            plan.user = _run_as(job)
+        except KeyError:  # the owner's password entry went away since the claim checked it
+            now = time.time()
+            return Outcome(start=now, end=now, error=f"cannot start: uid {job['run_as']} has no entry in the password database")
+        plan.env, plan.close = self._env(job, claimed.attempt, plan.user), self._spawn_closes
         for name, value in strategy.process_options().items():
             setattr(plan, name, value)
         out = run_process(job, plan)
@@ -654,8 +671,10 @@ class Worker:
             with self._lock:
                 self._finished_since_scan += 1
 
-    def _env(self, job: dict, attempt: int) -> dict[str, str]:
+    def _env(self, job: dict, attempt: int, user: Any = None) -> dict[str, str]:
         env = dict(self._base_env)
+        if user is not None:
+            env.update(HOME=user.pw_dir, USER=user.pw_name, LOGNAME=user.pw_name, SHELL=user.pw_shell or "/bin/sh")
         extra = job.get("env")
         if extra:
             env.update(extra)
