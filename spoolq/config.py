@@ -47,7 +47,7 @@ HELP = {
     "fsync": "make enqueues and outcomes durable against power loss",
     "output_limit": "bytes of stdout and of stderr kept in the record (the tail)",
     "max_job_bytes": "largest job file that is read; larger ones go to dead/",
-    "trusted_users": "users besides the worker's own and root whose job files run",
+    "trusted_users": "users besides the worker's own, the spool's owner and root whose job files run",
     "allow_commands": "run command and argv jobs (false: they go to dead/, enqueue refuses them)",
     "allowed_kinds": "the handler kinds that run (empty = every kind); others go to dead/",
     "root_handlers": "a root worker runs handler jobs whose file root does not own (as root)",

@@ -52,7 +52,8 @@ class Context:
     def trusted_uids(self) -> frozenset[int]:
         generation = getattr(self.settings, "generation", 0)
         if self._trusted is None or self._trusted_generation != generation:
-            uids = {os.geteuid(), 0}
+            # The spool's owner too: it writes config.json, so it could trust itself anyway.
+            uids = {os.geteuid(), 0, self.spool.owner}
             for user in self.settings.get("trusted_users", []):
                 uid = _uid_of(user)
                 if uid is not None:

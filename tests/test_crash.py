@@ -955,70 +955,52 @@ def _as(user: str, gid: int) -> list[str]:
     return ["setpriv", f"--reuid={user}", f"--regid={gid}", "--clear-groups"]
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv (util-linux)")
-def test_recovery_leaves_a_job_whose_processes_are_another_users_until_they_end(tmp_path):
-    """Audit: in a shared spool, a worker of one user died with its job's
-    process still running; another user's recovery could not kill it (not
-    its process), said killed=0 and moved the job on, so it ran a second
-    time at once. The job now stays in cur/ until that process ends."""
-    import grp
-    import pwd
-    import tempfile
+def test_recovery_leaves_a_job_whose_processes_are_another_users_until_they_end(users):
+    """A root worker runs a member's job as that member, and dies with the
+    job's process still running; the spool's owner's recovery cannot kill
+    it (not its process). The job stays in cur/ until that process ends,
+    so it never runs twice at once."""
+    base = users.folder("crash", owner=users.owner)
+    path = str(base / "spool")
+    job_id = f"long-{os.getpid()}"  # its own: a suite run beside this one has processes of the same job
+    runs = base / "runs"
 
+    def run(user, *args: str) -> subprocess.CompletedProcess:
+        proc = users.spoolq(user, "-s", path, *args)
+        assert proc.returncode == 0, proc.stderr
+        return proc
+
+    run(users.owner, "init", "--group", users.group)
+    run(users.owner, "config", "set", "trusted_users", users.web.name)
+    run(users.owner, "config", "set", "backoff_initial", "0")
+    runs.touch()
+    os.chmod(runs, 0o666)
+    run(users.web, "enqueue", "--id", job_id, f'echo run >> {runs}; if [ "$SPOOLQ_ATTEMPT" = 1 ]; then exec sleep 300; fi')
+    worker = users.popen(None, "-s", path, "work", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        users = [pwd.getpwnam(name).pw_name for name in ("nobody", "daemon")]
-        gid = grp.getgrnam("nogroup").gr_gid
-    except KeyError:
-        pytest.skip("needs the users nobody and daemon and the group nogroup")
-    base = tempfile.mkdtemp(prefix="spoolq-shared-")  # not under tmp_path: other users cannot enter that
-    try:
-        os.chmod(base, 0o755)
-        path = os.path.join(base, "spool")
-        job_id = f"long-{os.getpid()}"  # its own: a suite run beside this one has processes of the same job
-        runs = os.path.join(base, "runs")
-        probe = subprocess.run(_as(users[0], gid) + SPOOLQ + ["--version"], capture_output=True, text=True)
-        if probe.returncode != 0:
-            pytest.skip(f"spoolq cannot run as {users[0]} here: {probe.stderr.strip()[-200:]}")
-
-        def run(user: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-            proc = subprocess.run(_as(user, gid) + SPOOLQ + ["-s", path, *args], capture_output=True, text=True, timeout=60)
-            assert not check or proc.returncode == 0, proc.stderr
-            return proc
-
-        subprocess.run(SPOOLQ + ["-s", path, "init", "--group", "nogroup"], check=True, capture_output=True)
-        subprocess.run(SPOOLQ + ["-s", path, "config", "set", "trusted_users", ",".join(users)], check=True, capture_output=True)
-        subprocess.run(SPOOLQ + ["-s", path, "config", "set", "backoff_initial", "0"], check=True, capture_output=True)
-        open(runs, "w").close()
-        os.chmod(runs, 0o666)
-        run(users[0], "enqueue", "--id", job_id, f'echo run >> {runs}; if [ "$SPOOLQ_ATTEMPT" = 1 ]; then exec sleep 300; fi')
-        worker = subprocess.Popen(_as(users[0], gid) + SPOOLQ + ["-s", path, "work"],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            wait_for(lambda: open(runs).read() == "run\n", what="the job to start")
-            worker.kill()
-            worker.wait()
-            job_pids = _processes_with_env(f"SPOOLQ_JOB_ID={job_id}")  # (readable: the test runs as root)
-            assert len(job_pids) == 1  # the job's process outlived its worker
-            out = run(users[1], "sweep").stdout
-            assert "recovered 0 to failed/" in out and "left 1 jobs in cur/" in out, out
-            assert os.listdir(os.path.join(path, "cur")) == [f"{job_id}.json"] and _alive(job_pids[0])
-            os.kill(job_pids[0], signal.SIGKILL)  # its owner's doing
-            wait_for(lambda: not _alive(job_pids[0]), what="the job's process to end")
-            out = run(users[1], "sweep").stdout
-            assert "recovered 1 to failed/" in out and "left" not in out, out
-            run(users[1], "work")
-            assert open(runs).read() == "run\nrun\n"
-            job = json.loads(subprocess.run(SPOOLQ + ["-s", path, "show", job_id, "--json"], capture_output=True,
-                                            text=True, check=True).stdout)
-            assert job["attempts"] == 2 and job["history"][0]["error"].startswith("interrupted")
-        finally:
-            if worker.poll() is None:
-                worker.kill()
-            worker.wait()
+        wait_for(lambda: runs.read_text() == "run\n", what="the job to start")
+        worker.kill()
+        worker.wait()
+        job_pids = _processes_with_env(f"SPOOLQ_JOB_ID={job_id}")  # (readable: the test runs as root)
+        assert len(job_pids) == 1  # the job's process outlived its worker
+        assert os.stat(f"/proc/{job_pids[0]}").st_uid == users.web.uid
+        out = run(users.owner, "sweep").stdout
+        assert "recovered 0 to failed/" in out and "left 1 jobs in cur/" in out, out
+        assert os.listdir(os.path.join(path, "cur")) == [f"{job_id}.json"] and _alive(job_pids[0])
+        os.kill(job_pids[0], signal.SIGKILL)  # its owner's doing
+        wait_for(lambda: not _alive(job_pids[0]), what="the job's process to end")
+        out = run(users.owner, "sweep").stdout
+        assert "recovered 1 to failed/" in out and "left" not in out, out
+        ran = run(None, "work")
+        assert runs.read_text() == "run\nrun\n", (ran.stderr, run(users.owner, "show", job_id).stdout)
+        job = json.loads(run(users.owner, "show", job_id, "--json").stdout)
+        assert job["attempts"] == 2 and job["history"][0]["error"].startswith("interrupted")
     finally:
+        if worker.poll() is None:
+            worker.kill()
+        worker.wait()
         for pid in _processes_with_env(f"SPOOLQ_JOB_ID={job_id}"):
             os.kill(pid, signal.SIGKILL)
-        shutil.rmtree(base, ignore_errors=True)
 
 
 def test_a_job_whose_worker_died_is_shown_abandoned_until_a_sweep(fast_spool, tmp_path):
