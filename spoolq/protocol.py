@@ -676,7 +676,7 @@ class SpoolDir:
         view, so nobody ever sees it unlocked."""
         dir_fd = self.fd(folder)
         tmp = "." + self.tmp_name(name)
-        mode = 0o660 if self.shared else 0o644  # shared: a recovery by another user of the group rewrites it
+        mode = 0o640 if self.shared else 0o644  # only its owner may change it: recovery believes no other's
         fd = _open_held(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
         try:
             if self.shared:

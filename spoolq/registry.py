@@ -311,11 +311,12 @@ def take_dead(spool: SpoolDir, wait_for: set[str] = frozenset(), patience: float
     seconds for the kernel to finish releasing its locks.
 
     A registration is believed only if a user in ``trusted`` owns it, with
-    one link: anyone else's file could name any process and any count of
-    runs. One that is not is still returned, not believed
-    (``DeadRegistration.believed``), so that a job whose run it names and
-    that visibly goes on (processes of that file's owner marked with its
-    worker id) is left alone rather than run a second time at once."""
+    one link, and neither the group nor others may write it: anyone else's
+    file could name any process and any count of runs. One that is not is
+    still returned, not believed (``DeadRegistration.believed``), so that a
+    job whose run it names and that visibly goes on (processes of that
+    file's owner marked with its worker id) is left alone rather than run a
+    second time at once."""
     taken = []
     live_ids: set[str] = set()
     try:
@@ -335,7 +336,8 @@ def take_dead(spool: SpoolDir, wait_for: set[str] = frozenset(), patience: float
             raise
         if held is None:
             continue
-        believed = trusted is None or (held.st.st_uid in trusted and held.st.st_nlink == 1)
+        st = held.st
+        believed = trusted is None or (st.st_uid in trusted and st.st_nlink == 1 and not st.st_mode & 0o022)
         taken.append(DeadRegistration(held, _registration_info(held), believed))
     for reg in taken:
         reg.worker_alive = str(reg.info.get("worker", "")) in live_ids
