@@ -211,7 +211,7 @@ def test_shared_spool_lets_a_group_member_enqueue(tmp_path):
     try:
         registration = wait_for(lambda: [n for n in os.listdir(s.path / "workers") if n.endswith(".json")],
                                 what="the worker's registration")
-        assert stat.S_IMODE(os.stat(s.path / "workers" / registration[0]).st_mode) == 0o660
+        assert stat.S_IMODE(os.stat(s.path / "workers" / registration[0]).st_mode) == 0o640  # the group reads it (status); only its owner writes it
     finally:
         watcher.terminate()
         watcher.wait(timeout=30)
