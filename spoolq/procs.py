@@ -2,12 +2,13 @@
 ever hitting an unrelated process that reused its pid.
 
 A process is identified by (boot id, pid, start time in clock ticks since
-boot), all read from /proc. A run's processes are found two ways: by the
-process group the runner made for it (members started after its leader), and
-by the ``SPOOLQ_WORKER`` variable every job process inherits (which also
-catches a process that left the group with ``setsid``). Each candidate is
-signalled through a pidfd opened *before* its start time is checked again, so
-the signal can only reach the process that was checked.
+boot), all read from /proc. A dead worker's processes are those that carry
+the ``SPOOLQ_WORKER`` variable every job process inherits (which also
+catches a process that left its group with ``setsid``), run as the user
+whose registration names them, and started after the worker did (after
+the run's spawn, for a run it recorded). Each is signalled through a pidfd
+opened *before* its start time is checked again, so the signal can only
+reach the process that was checked.
 """
 
 from __future__ import annotations
@@ -100,42 +101,95 @@ def boot_ticks() -> int:
     return int(time.clock_gettime_ns(time.CLOCK_BOOTTIME) * _TICK // 1_000_000_000)
 
 
-def find_run_processes(worker_id: str, pgid: int | None, spawn_window: tuple[int, int] | None) -> list[tuple[int, int]]:
-    """Live (pid, start time) of a dead worker's job processes.
+def _environ(pid: int) -> set[bytes] | None:
+    """The process's environment as ``NAME=value`` entries; None when it
+    cannot be read (another user's process, or gone)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return set(f.read().split(b"\0"))
+    except OSError:
+        return None
 
-    A run's process group counts when its id is still the run's: either its
-    leader is alive and started inside ``spawn_window`` (the ticks read just
-    before and after the spawn), or its leader is gone but members remain
-    (members pin the group id, so it cannot have been reused). Any process
-    carrying ``SPOOLQ_WORKER=<worker_id>`` in its environment counts too."""
+
+def _real_uid(pid: int) -> int | None:
+    """The process's real user id, None if gone."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Uid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def find_run_processes(worker_id: str, since: int, owner: int, run: tuple[str, int | None, tuple[int, int] | None] | None
+                       ) -> tuple[list[tuple[int, int]], int]:
+    """The live processes a dead worker left: ``(ours, others)``, ours as
+    (pid, start time) to kill, others how many more there are that it left
+    but whose environment cannot be read (another user's), to leave alone.
+
+    A process is ours only if all of these hold, so that nothing a
+    registration names can point the kill at an unrelated process:
+
+    - its real uid is ``owner`` (the registration's owner), or the owner is
+      root: a root worker runs jobs as the users who own their files, so
+      under it only the two checks below tell its processes;
+    - its environment carries ``SPOOLQ_WORKER=<worker_id>`` (and, for a
+      ``run``, that run's ``SPOOLQ_JOB_ID``), which every job process inherits;
+    - it started at or after ``since``, the worker's own start, and, for a
+      ``run`` (job id, process group, spawn window: the boot ticks read just
+      before and after its spawn), at or after the window's start; the
+      group's leader, at most at its end.
+
+    ``others`` are processes of ``owner`` in the run's recorded group, whose
+    leader is the process spawned in the window, that this user may not
+    read: they tell that the run still goes on without being signalled."""
     me = os.getpid()
-    needle = f"SPOOLQ_WORKER={worker_id}".encode()
-    found = []
+    needles = {f"SPOOLQ_WORKER={worker_id}".encode()}
+    low, pgid, window = since, None, None
+    if run is not None:
+        needles.add(f"SPOOLQ_JOB_ID={run[0]}".encode())
+        pgid, window = run[1], run[2]
+        if window is not None and since <= window[0] <= window[1]:
+            low = window[0]
+        else:
+            window = None  # not a spawn of this worker: the group is not known to be the run's
     try:
         pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
     except OSError:
-        return []
+        return [], 0
     table = {}
     for pid in pids:
         if pid != me:
             desc = _describe(pid)
-            if desc is not None:
+            if desc is not None and desc[2] >= low:
                 table[pid] = desc
+
+    def owned(pid: int) -> bool:
+        return owner == 0 or _real_uid(pid) == owner
+
     # The group counts only while its leader (alive or a zombie: either way
-    # it pins the id) is the process spawned in the recorded window. Without
-    # a leader the id may have been reused by an unrelated group whose own
-    # leader is gone, so then only SPOOLQ_WORKER marks a process as ours.
-    group_is_ours = False
-    if pgid is not None and pgid > 1 and spawn_window is not None:
+    # it pins the id) is the process spawned in the recorded window.
+    group = None
+    if pgid is not None and pgid > 1 and window is not None:
         leader = table.get(pgid)
-        if leader is not None:
-            group_is_ours = leader[1] == pgid and spawn_window[0] <= leader[2] <= spawn_window[1]
+        if leader is not None and leader[1] == pgid and leader[2] <= window[1] and owned(pgid):
+            group = pgid
+    ours, others = [], 0
     for pid, (state, proc_pgid, started) in table.items():
         if state in ("Z", "X"):
             continue
-        if (group_is_ours and proc_pgid == pgid and started >= spawn_window[0]) or _has_env(pid, needle):
-            found.append((pid, started))
-    return found
+        if pid == pgid and window is not None and started > window[1]:
+            continue  # a later process under the leader's pid
+        env = _environ(pid)
+        if env is None:
+            if group is not None and proc_pgid == group and owned(pid):
+                others += 1
+            continue
+        if needles <= env and owned(pid):
+            ours.append((pid, started))
+    return ours, others
 
 
 def kill_verified(pid: int, started: int, sig: int = signal.SIGKILL) -> bool:
@@ -161,10 +215,15 @@ def kill_verified(pid: int, started: int, sig: int = signal.SIGKILL) -> bool:
             os.close(pidfd)
 
 
-def kill_run(worker_id: str, worker_boot: str, pgid: int | None, spawn_window: tuple[int, int] | None) -> tuple[int, int]:
-    """Kill every process left from a dead worker's run. Returns (killed,
+def kill_run(worker_id: str, worker_boot: str, since: int, owner: int,
+             run: tuple[str, int | None, tuple[int, int] | None] | None, signal_them: bool = True) -> tuple[int, int]:
+    """Kill every process left from a dead worker's run (``run``: job id,
+    process group, spawn window), or from any of its runs (None); see
+    find_run_processes for which processes count. Returns (killed,
     refused): how many were killed, and how many live on because they are
-    not ours to kill (another user's, in a shared spool).
+    not ours to kill (another user's, in a shared spool). With
+    ``signal_them`` false nothing is signalled: every process found is
+    refused.
 
     Nothing is killed when the worker ran in an earlier boot (its processes
     died with that boot) or when its boot is unknown."""
@@ -172,8 +231,13 @@ def kill_run(worker_id: str, worker_boot: str, pgid: int | None, spawn_window: t
         return 0, 0
     killed = 0
     refused: set[int] = set()
+    others = 0
     for _ in range(50):  # a process may fork while we kill; repeat until none is left
-        found = [(pid, started) for pid, started in find_run_processes(worker_id, pgid, spawn_window) if pid not in refused]
+        found, others = find_run_processes(worker_id, since, owner, run)
+        found = [(pid, started) for pid, started in found if pid not in refused]
+        if not signal_them:
+            refused.update(pid for pid, _ in found)
+            break
         if not found:
             break
         for pid, started in found:
@@ -183,7 +247,7 @@ def kill_run(worker_id: str, worker_boot: str, pgid: int | None, spawn_window: t
             except PermissionError:
                 refused.add(pid)
         time.sleep(0.01)  # give the kernel a moment to reap what we killed
-    return killed, len(refused)
+    return killed, len(refused) + others
 
 
 def kill_marked(markers: list[str]) -> int:

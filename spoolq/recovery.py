@@ -9,6 +9,7 @@ dead worker did not get to.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -54,7 +55,10 @@ def _recover_batch(ctx: Context, report: RecoveryReport, batch: int, tried: set[
     staged = sp.staged_records() if held else {}
     dead_workers: list[registry.DeadRegistration] = []
     try:
-        dead_workers = registry.take_dead(sp, wait_for=held_ids, trusted=ctx.trusted_uids)
+        # Registrations are this user's or root's: trusted_users vouch for
+        # the jobs a user enqueues, never for which processes get killed.
+        dead_workers = registry.take_dead(sp, wait_for=held_ids, trusted=frozenset({os.geteuid(), 0}))
+        believed = [reg for reg in dead_workers if reg.believed]
         runs = _interrupted_runs(dead_workers, report)
         # A run whose processes live on and are not ours to kill (a worker of
         # another user died) keeps its job in cur/, and its registration
@@ -64,9 +68,9 @@ def _recover_batch(ctx: Context, report: RecoveryReport, batch: int, tried: set[
         recovered_ids = set(held_ids)
         for h in held:
             if _recover_one(ctx, h, runs.get(id_of(h.name)), staged.get(h.name, ()), report,
-                            dead_workers[0] if dead_workers else None, id_of(h.name) in still_running):
+                            believed[0] if believed else None, id_of(h.name) in still_running):
                 recovered_ids.discard(id_of(h.name))
-        _clear_registrations(ctx, dead_workers, recovered_ids, report)
+        _clear_registrations(ctx, believed, recovered_ids, report)
     finally:
         # Whatever failed, hold nothing: a worker lives on after its recovery.
         for h in held:
@@ -107,6 +111,8 @@ def _interrupted_runs(dead_workers: list[registry.DeadRegistration],
     runs: dict[str, tuple[registry.DeadRegistration, dict]] = {}
     for reg in dead_workers:
         report.killed += reg.kill_processes()
+        if not reg.believed:
+            continue
         for job_id, entry in reg.jobs.items():
             if not isinstance(entry, dict) or not isinstance(entry.get("attempt"), int):
                 continue

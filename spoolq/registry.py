@@ -225,9 +225,13 @@ def registration_problem(info: dict[str, Any]) -> str | None:
 class DeadRegistration:
     """A dead worker's registration, held by the recovery that handles it."""
 
-    def __init__(self, held: Held, info: dict[str, Any]):
+    def __init__(self, held: Held, info: dict[str, Any], believed: bool = True):
         self.held = held
         self.info = info
+        # False for a file this user may not take the word of (see
+        # take_dead): it is only looked at, to leave alone a job whose run
+        # goes on; nothing it names is signalled, counted or rewritten.
+        self.believed = believed
         # Set by take_dead when a locked registration names the same worker:
         # this file is a copy (or a leftover) of a live worker's, whose
         # processes are not ours to kill.
@@ -249,10 +253,16 @@ class DeadRegistration:
         of another user died, in a shared spool) is put in ``unkillable``:
         its job must stay in cur/, or it would run twice at once."""
         killed = 0
-        worker_id = str(self.info.get("worker", ""))
+        worker_id = self.info.get("worker")
         boot = str(self.info.get("boot_id", ""))
+        since = self.info.get("proc_start")
         if self.info.get("host") != os.uname().nodename or self.worker_alive:
             return 0
+        # Without the worker's own start time no process can be checked
+        # against it, and one with an empty id marks nothing.
+        if not (isinstance(worker_id, str) and worker_id and isinstance(since, int) and not isinstance(since, bool)):
+            return 0
+        owner = self.held.st.st_uid
         for job_id, entry in self.jobs.items():
             if not isinstance(entry, dict):
                 continue
@@ -260,17 +270,17 @@ class DeadRegistration:
             window = entry.get("spawned")
             if not (isinstance(window, list) and len(window) == 2 and all(isinstance(t, int) for t in window)):
                 window = None
-            done, refused = procs.kill_run(worker_id, boot, pgid, tuple(window) if window else None)
+            done, refused = procs.kill_run(worker_id, boot, since, owner, (job_id, pgid, tuple(window) if window else None),
+                                           self.believed)
             killed += done
             if refused:
                 self.unkillable.add(job_id)
-        if worker_id:
-            # The worker may have died between starting a process and
-            # recording it: find those by the SPOOLQ_WORKER they inherited.
-            done, refused = procs.kill_run(worker_id, boot, None, None)
-            killed += done
-            if refused:  # whose run they belong to is not known: none of its jobs may go
-                self.unkillable.update(self.jobs)
+        # The worker may have died between starting a process and
+        # recording it: find those by the SPOOLQ_WORKER they inherited.
+        done, refused = procs.kill_run(worker_id, boot, since, owner, None, self.believed)
+        killed += done
+        if refused:  # whose run they belong to is not known: none of its jobs may go
+            self.unkillable.update(self.jobs)
         return killed
 
     def note_run(self, job_id: str, attempt: int) -> None:
@@ -298,8 +308,15 @@ def take_dead(spool: SpoolDir, wait_for: set[str] = frozenset(), patience: float
     """Lock the registrations of dead workers. A registration that is still
     locked but lists a job in ``wait_for`` (a ``cur/`` job we found unlocked)
     belongs to a worker that is dying right now: wait up to ``patience``
-    seconds for the kernel to finish releasing its locks. A registration
-    owned by a user not in ``trusted`` is ignored: it could name any process."""
+    seconds for the kernel to finish releasing its locks.
+
+    A registration is believed only if a user in ``trusted`` owns it, with
+    one link, and neither the group nor others may write it: anyone else's
+    file could name any process and any count of runs. One that is not is
+    still returned, not believed (``DeadRegistration.believed``), so that a
+    job whose run it names and that visibly goes on (processes of that
+    file's owner marked with its worker id) is left alone rather than run a
+    second time at once."""
     taken = []
     live_ids: set[str] = set()
     try:
@@ -319,10 +336,9 @@ def take_dead(spool: SpoolDir, wait_for: set[str] = frozenset(), patience: float
             raise
         if held is None:
             continue
-        if trusted is not None and held.st.st_uid not in trusted:
-            held.release()
-            continue
-        taken.append(DeadRegistration(held, _registration_info(held)))
+        st = held.st
+        believed = trusted is None or (st.st_uid in trusted and st.st_nlink == 1 and not st.st_mode & 0o022)
+        taken.append(DeadRegistration(held, _registration_info(held), believed))
     for reg in taken:
         reg.worker_alive = str(reg.info.get("worker", "")) in live_ids
     return taken

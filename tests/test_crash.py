@@ -109,7 +109,11 @@ def test_registrations_of_other_hosts_or_untrusted_owners_kill_nothing(fast_spoo
             import pwd
 
             nobody = pwd.getpwnam("nobody")
-            reg = {"worker": other, "host": os.uname().nodename, "pid": 7, "boot_id": boot, "jobs": {}}
+            # As a worker writes it: started (this test's process) before the victim.
+            with open("/proc/self/stat") as f:
+                proc_start = int(f.read().rsplit(")", 1)[1].split()[19])
+            reg = {"worker": other, "host": os.uname().nodename, "pid": 7, "boot_id": boot, "proc_start": proc_start,
+                   "jobs": {}}
             path = s.path / "workers" / "forged.json"
             path.write_text(json.dumps(reg))
             os.chown(path, nobody.pw_uid, nobody.pw_gid)
