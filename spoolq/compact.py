@@ -18,7 +18,7 @@ from typing import Any
 
 from . import procs, record
 from .index import Index
-from .protocol import Busy, Gone, Held, NotRegular, SpoolDir, id_of
+from .protocol import Busy, Gone, Held, NotRegular, SpoolDir, id_of, user_name
 from .transitions import Context, check
 
 FOLD_BATCH = 2000  # files a fold holds and commits at once, where the descriptor limit allows
@@ -79,7 +79,7 @@ def _row(ctx: Context, folder: str, name: str, held: Held) -> tuple[dict, str, f
     except (record.InvalidJob, OSError) as e:
         if folder != "dead":
             return None
-        job = _invalid_record(name, held, e, int(ctx.settings["max_job_bytes"]))
+        job = _invalid_record(name, held, e, int(ctx.settings["max_job_bytes"]), ctx.trusted_uids)
     kept = ctx.spool.noted_reason(name) if folder == "dead" else None
     if kept is not None and (job.get("invalid") or job.get("error") is None):
         job["error"] = kept  # why it went to dead/, whatever was written into it since
@@ -89,13 +89,19 @@ def _row(ctx: Context, folder: str, name: str, held: Held) -> tuple[dict, str, f
     return job, "done" if folder == "done" else "dead", finished
 
 
-def _invalid_record(name: str, held: Held, problem: Exception, limit: int) -> dict:
+def _invalid_record(name: str, held: Held, problem: Exception, limit: int, trusted: frozenset[int]) -> dict:
     """What the index keeps of a dead file that is no valid job: why it is
     invalid and its bytes exactly (``raw`` when they are UTF-8, else
     ``raw_base64``), the first ``limit`` (max_job_bytes) of them only, with
-    its size, when it is larger."""
+    its size, when it is larger. The bytes only of a trusted user's file
+    with no other name: the index is readable by the spool's group, and a
+    member may have linked another user's file into dead/ for the owner's
+    (or root's) purge to read."""
     reason = str(problem) if isinstance(problem, record.InvalidJob) else f"unreadable: {problem}"
     job: dict[str, Any] = {"id": id_of(name), "invalid": True, "error": reason}
+    if held.st.st_nlink != 1 or held.st.st_uid not in trusted:
+        why = f"{held.st.st_nlink} links" if held.st.st_nlink != 1 else f"owned by untrusted user {user_name(held.st.st_uid)}"
+        return dict(job, raw_error=f"not kept: {why}")
     try:
         raw = held.read(limit)
     except OSError as e:

@@ -254,3 +254,24 @@ def test_a_private_spool_is_the_owners_alone_under_any_umask(users):
             assert _mode(spool / name) == 0o600, (umask, name)
         assert users.spoolq(users.web, "-s", str(spool), "show", job).returncode != 0
         assert users.sh(users.web, f"cat {spool}/index.db").returncode != 0
+
+
+def test_purge_never_copies_another_users_file_linked_into_dead_into_the_index(users):
+    spool = _shared(users)
+    secret = users.folder("secret", owner=users.out) / "secret"
+    secret.write_text("the out user's secret\n")
+    os.chown(secret, users.out.uid, users.out.gid)
+    os.chmod(secret, 0o600)
+    # Where fs.protected_hardlinks is 0 a member may link a file it cannot
+    # read into dead/; root makes the link here, whatever that setting is.
+    os.link(secret, spool / "dead" / "linked.json")
+    assert _drop_as(users, users.evil, spool, "evils", {"command": "the untrusted user's bytes"}).returncode == 0
+    assert users.spoolq(users.owner, "-s", str(spool), "work").returncode == 0
+    for user in (users.owner, None):
+        run = users.spoolq(user, "-s", str(spool), "purge", "--dead", "--older-than", "0s")
+        assert run.returncode == 0, run.stderr
+    assert secret.read_text() == "the out user's secret\n" and os.listdir(spool / "dead") == []
+    index = (spool / "index.db").read_bytes()
+    assert b"secret" not in index and b"untrusted user's bytes" not in index
+    run = users.spoolq(users.web, "-s", str(spool), "show", "linked", "--json")
+    assert run.returncode == 0 and json.loads(run.stdout)["raw_error"] == "not kept: 2 links", run.stderr
