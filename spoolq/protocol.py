@@ -299,12 +299,14 @@ class SpoolDir:
                 os.fchmod(root_fd, want)  # after fchown, which may clear setgid
             if want != old and not created:
                 changed.append((self.root, old, want))
+            # Root making the layout in a folder another user owns makes it that user's spool.
+            uid = st.st_uid if os.geteuid() == 0 and st.st_uid != 0 else -1
             for folder in FOLDERS:
                 fmode = (SHARED_WORKERS if folder == "workers" else SHARED_FOLDER) if shared else 0o700
                 fd, made = _make_folder(folder, fmode, root_fd, os.path.join(root, folder))
                 try:
-                    if group is not None:
-                        os.fchown(fd, -1, gid)
+                    if group is not None or uid != -1:
+                        os.fchown(fd, uid, gid)
                     if shared or made:
                         os.fchmod(fd, fmode)
                 finally:

@@ -275,3 +275,18 @@ def test_purge_never_copies_another_users_file_linked_into_dead_into_the_index(u
     assert b"secret" not in index and b"untrusted user's bytes" not in index
     run = users.spoolq(users.web, "-s", str(spool), "show", "linked", "--json")
     assert run.returncode == 0 and json.loads(run.stdout)["raw_error"] == "not kept: 2 links", run.stderr
+
+
+def test_root_making_the_layout_in_a_users_folder_makes_it_that_users_spool(users):
+    spool = users.folder("service") / "spool"
+    spool.mkdir()
+    os.chown(spool, users.owner.uid, users.owner.gid)  # install -d -o owner
+    run = users.spoolq(None, "-s", str(spool), "init", "--group", users.group)
+    assert run.returncode == 0, run.stderr
+    for folder, mode in MODES.items():
+        st = os.stat(spool / folder)
+        assert (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) == (mode, users.owner.uid, users.gid), folder
+    assert users.spoolq(users.owner, "-s", str(spool), "config", "set", "trusted_users", users.web.name).returncode == 0
+    job = users.spoolq(users.web, "-s", str(spool), "enqueue", "true").stdout.strip()
+    run = users.spoolq(users.owner, "-s", str(spool), "work")
+    assert run.returncode == 0 and (spool / "done" / f"{job}.json").exists(), run.stderr
