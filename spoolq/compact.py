@@ -130,7 +130,7 @@ def compact(spool: SpoolDir, index: Index, settings: dict, keep: float | None = 
     names = sorted(spool.names("done"))
     folded, left = fold(spool, index, "done", names, settings)
     dropped = index.drop_older(time.time() - keep) if keep is not None else 0
-    tmp_removed = spool.remove_tmp()
+    tmp_removed = spool.remove_tmp() + index.remove_stale_tmp()
     return {"folded": folded, "left": left, "dropped": dropped, "tmp_removed": tmp_removed,
             "seconds": round(time.monotonic() - started, 3)}
 

@@ -24,7 +24,7 @@ import sqlite3
 import time
 from typing import Any, Callable, Iterable, Iterator
 
-from . import record
+from . import procs, record
 from .errors import SpoolError
 from .protocol import check_owner_file, duplicate_name, file_name, id_of
 
@@ -397,6 +397,26 @@ class Index:
                     os.unlink(path)
                 except FileNotFoundError:
                     pass
+
+    def remove_stale_tmp(self) -> int:
+        """Remove what a creator that died left of its temporary database
+        (``index.db.new-PID-*``, see _create): files whose PID no longer
+        runs. Returns how many."""
+        folder, base = os.path.split(self.path)
+        prefix = base + ".new-"
+        removed = 0
+        for name in os.listdir(folder or "."):
+            if not name.startswith(prefix):
+                continue
+            pid = name[len(prefix):].split("-", 1)[0]
+            if not pid.isdigit() or procs.start_time(int(pid)) is not None:  # its creator still runs
+                continue
+            try:
+                os.unlink(os.path.join(folder, name))
+                removed += 1
+            except FileNotFoundError:
+                pass
+        return removed
 
     def _open_read_only(self) -> sqlite3.Connection:
         """The database opened read-only: ``mode=ro``, else ``immutable``

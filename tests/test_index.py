@@ -545,3 +545,19 @@ def test_the_documented_queries_run_on_a_real_index(fast_spool):
     assert {r[0] for r in results[0]} == {"true", "test"}
     assert len(results[1]) == 3
     assert results[2] == [("twice", 2, "exit status 1")]
+
+
+def test_compaction_removes_what_a_killed_first_compaction_left(fast_spool):
+    s = fast_spool
+    s.enqueue("true")
+    s.work()
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    stale = s.path / f"index.db.new-{gone.pid}-0a1b2c3d"
+    live = s.path / f"index.db.new-{os.getpid()}-0a1b2c3d"
+    for path in (stale, live, s.path / f"{stale.name}-journal"):
+        path.write_bytes(b"")
+    out = s.run("compact").stdout
+    assert not stale.exists() and not (s.path / f"{stale.name}-journal").exists()
+    assert live.exists()  # its creator still runs
+    assert "removed 2 tmp/ files" in out
