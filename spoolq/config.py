@@ -123,16 +123,22 @@ def _bool(key: str, value: Any) -> bool:
     raise ConfigError(f"{key} must be true or false, not {value!r}")
 
 
+def _list(key: str, value: Any, what: str) -> Any:
+    """A list given as text (a JSON list, or words separated by commas) as a
+    list; anything else as it is."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    if text.startswith("["):
+        try:
+            return json.loads(text)
+        except ValueError:
+            raise ConfigError(f"{key} must be a list of {what}") from None
+    return [word.strip() for word in text.split(",") if word.strip()]
+
+
 def _users(key: str, value: Any, stored: bool = False) -> list[str]:
-    if isinstance(value, str):
-        text = value.strip()
-        if text.startswith("["):
-            try:
-                value = json.loads(text)
-            except ValueError:
-                raise ConfigError(f"{key} must be a list of user names") from None
-        else:
-            value = [u.strip() for u in text.split(",") if u.strip()]
+    value = _list(key, value, "user names")
     if not isinstance(value, list) or not all(isinstance(u, (str, int)) and not isinstance(u, bool) for u in value):
         raise ConfigError(f"{key} must be a list of user names or uids")
     users = [str(u) for u in value]
@@ -152,15 +158,7 @@ def _users(key: str, value: Any, stored: bool = False) -> list[str]:
 
 
 def _kinds(key: str, value: Any) -> list[str]:
-    if isinstance(value, str):
-        text = value.strip()
-        if text.startswith("["):
-            try:
-                value = json.loads(text)
-            except ValueError:
-                raise ConfigError(f"{key} must be a list of kinds") from None
-        else:
-            value = [k.strip() for k in text.split(",") if k.strip()]
+    value = _list(key, value, "kinds")
     if not isinstance(value, list) or not all(isinstance(k, str) and k for k in value):
         raise ConfigError(f"{key} must be a list of kinds (names of handlers)")
     return list(value)
