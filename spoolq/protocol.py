@@ -257,65 +257,9 @@ class SpoolDir:
         """Create the layout (idempotent). With ``group``, a shared spool.
         Returns (path, old mode, new mode) for an existing root folder whose
         mode it changed, for the caller to report."""
-        changed = self._make_layout(group)
+        changed = make_layout(self.root, group)
         self._close_fds()
         self.open()
-        return changed
-
-    def _make_layout(self, group: str | None) -> list[tuple[str, int, int]]:
-        """Make the folders and set their owner and modes through descriptors
-        opened with O_NOFOLLOW: a member of the group who swaps a folder for
-        a symlink between two calls gets a refusal, never a chown or chmod of
-        the symlink's target (init often runs as root)."""
-        gid = -1
-        if group is not None:
-            import grp
-
-            try:
-                gid = grp.getgrnam(group).gr_gid
-            except KeyError:
-                try:
-                    gid = grp.getgrgid(int(group)).gr_gid
-                except (KeyError, ValueError):
-                    raise NoSuchGroup(f"--group: no such group: {group}") from None
-        # A root given as a symlink (./spool -> /data/spool) is the folder it
-        # names; from there on nothing is followed.
-        root = os.path.realpath(self.root) if os.path.islink(self.root) else self.root
-        if not os.path.isdir(root):
-            refuse_non_directory(self.root)  # a dangling symlink: nothing is made at its target
-        changed = []
-        root_fd, created = _make_folder(root, 0o700 if group is None else SHARED_ROOT, None)
-        try:
-            st = os.fstat(root_fd)
-            old = stat.S_IMODE(st.st_mode)
-            shared = group is not None or bool(old & stat.S_ISGID and old & 0o070)
-            if shared:
-                want = SHARED_ROOT  # a shared spool stays shared, with the modes of the trust model
-            else:
-                want = 0o700 if created or old & 0o077 else old
-            if group is not None:
-                os.fchown(root_fd, -1, gid)
-            if want != old or group is not None:
-                os.fchmod(root_fd, want)  # after fchown, which may clear setgid
-            if want != old and not created:
-                changed.append((self.root, old, want))
-            # Root making the layout in a folder another user owns makes it that user's spool.
-            uid = st.st_uid if os.geteuid() == 0 and st.st_uid != 0 else -1
-            for folder in FOLDERS:
-                fmode = (SHARED_WORKERS if folder == "workers" else SHARED_FOLDER) if shared else 0o700
-                fd, made = _make_folder(folder, fmode, root_fd, os.path.join(root, folder))
-                try:
-                    if group is not None or uid != -1:
-                        os.fchown(fd, uid, gid)
-                    if shared or made:
-                        os.fchmod(fd, fmode)
-                finally:
-                    os.close(fd)
-            if shared:
-                for name in OWNER_FILES:
-                    _tighten_file(root_fd, name, 0o640, gid)
-        finally:
-            os.close(root_fd)
         return changed
 
     def open(self, create: bool = False) -> None:
@@ -326,7 +270,7 @@ class SpoolDir:
             if self._fds:
                 return
             if create and not self.exists():
-                self._make_layout(None)
+                make_layout(self.root, None)
             fds = {}
             try:
                 for folder in FOLDERS:
@@ -1386,6 +1330,65 @@ def _make_folder(name: str, mode: int, dir_fd: int | None, shown: str | None = N
             raise SpoolError(f"{shown} exists and is not a directory") from None
         raise SpoolError(f"cannot open {shown}: {e.strerror}") from None
     return fd, created
+
+def make_layout(path: str, group: str | None) -> list[tuple[str, int, int]]:
+    """Make the folders of the spool at ``path`` and set their owner and
+    modes through descriptors opened with O_NOFOLLOW: a member of the group
+    who swaps a folder for a symlink between two calls gets a refusal,
+    never a chown or chmod of the symlink's target (init often runs as
+    root). Returns (path, old mode, new mode) for an existing root folder
+    whose mode it changed."""
+    gid = -1
+    if group is not None:
+        import grp
+
+        try:
+            gid = grp.getgrnam(group).gr_gid
+        except KeyError:
+            try:
+                gid = grp.getgrgid(int(group)).gr_gid
+            except (KeyError, ValueError):
+                raise NoSuchGroup(f"--group: no such group: {group}") from None
+    # A root given as a symlink (./spool -> /data/spool) is the folder it
+    # names; from there on nothing is followed.
+    root = os.path.realpath(path) if os.path.islink(path) else path
+    if not os.path.isdir(root):
+        refuse_non_directory(path)  # a dangling symlink: nothing is made at its target
+    changed = []
+    root_fd, created = _make_folder(root, 0o700 if group is None else SHARED_ROOT, None)
+    try:
+        st = os.fstat(root_fd)
+        old = stat.S_IMODE(st.st_mode)
+        shared = group is not None or bool(old & stat.S_ISGID and old & 0o070)
+        if shared:
+            want = SHARED_ROOT  # a shared spool stays shared, with the modes of the trust model
+        else:
+            want = 0o700 if created or old & 0o077 else old
+        if group is not None:
+            os.fchown(root_fd, -1, gid)
+        if want != old or group is not None:
+            os.fchmod(root_fd, want)  # after fchown, which may clear setgid
+        if want != old and not created:
+            changed.append((path, old, want))
+        # Root making the layout in a folder another user owns makes it that user's spool.
+        uid = st.st_uid if os.geteuid() == 0 and st.st_uid != 0 else -1
+        for folder in FOLDERS:
+            fmode = (SHARED_WORKERS if folder == "workers" else SHARED_FOLDER) if shared else 0o700
+            fd, made = _make_folder(folder, fmode, root_fd, os.path.join(root, folder))
+            try:
+                if group is not None or uid != -1:
+                    os.fchown(fd, uid, gid)
+                if shared or made:
+                    os.fchmod(fd, fmode)
+            finally:
+                os.close(fd)
+        if shared:
+            for name in OWNER_FILES:
+                _tighten_file(root_fd, name, 0o640, gid)
+    finally:
+        os.close(root_fd)
+    return changed
+
 
 def _tighten_file(root_fd: int, name: str, mode: int, gid: int) -> None:
     """Give the owner's file ``name`` in the root folder ``mode`` (and

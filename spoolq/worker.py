@@ -90,6 +90,25 @@ def _run_as(job: dict) -> Any:
     return pwd.getpwuid(uid)
 
 
+def job_env(base: dict[str, str], job: dict, attempt: int, spool: str, worker_id: str,
+            user: Any = None) -> dict[str, str]:
+    """A command job's environment: the worker's; the home and shell
+    variables of ``user`` (a password entry) when a root worker runs it as
+    that user; the job's own ``env``; and spoolq's variables, last, since
+    recovery finds a run's processes by them."""
+    env = dict(base)
+    if user is not None:
+        env.update(HOME=user.pw_dir, USER=user.pw_name, LOGNAME=user.pw_name, SHELL=user.pw_shell or "/bin/sh")
+    extra = job.get("env")
+    if extra:
+        env.update(extra)
+    env["SPOOLQ_JOB_ID"] = job["id"]
+    env["SPOOLQ_ATTEMPT"] = str(attempt)
+    env["SPOOLQ_SPOOL"] = spool
+    env["SPOOLQ_WORKER"] = worker_id
+    return env
+
+
 class ReadAhead:
     """Reads a pass's waiting files into memory ahead of their claims, once
     claims are seen waiting for the disk.
@@ -655,7 +674,8 @@ class Worker:
         except KeyError:  # the owner's password entry went away since the claim checked it
             now = time.time()
             return Outcome(start=now, end=now, error=f"cannot start: uid {job['run_as']} has no entry in the password database")
-        plan.env, plan.close = self._env(job, claimed.attempt, plan.user), self._spawn_closes
+        plan.env = job_env(self._base_env, job, claimed.attempt, self.store.root, self.registration.worker_id, plan.user)
+        plan.close = self._spawn_closes
         for name, value in strategy.process_options().items():
             setattr(plan, name, value)
         out = run_process(job, plan)
@@ -670,16 +690,3 @@ class Worker:
         if completed:
             with self._lock:
                 self._finished_since_scan += 1
-
-    def _env(self, job: dict, attempt: int, user: Any = None) -> dict[str, str]:
-        env = dict(self._base_env)
-        if user is not None:
-            env.update(HOME=user.pw_dir, USER=user.pw_name, LOGNAME=user.pw_name, SHELL=user.pw_shell or "/bin/sh")
-        extra = job.get("env")
-        if extra:
-            env.update(extra)
-        env["SPOOLQ_JOB_ID"] = job["id"]
-        env["SPOOLQ_ATTEMPT"] = str(attempt)
-        env["SPOOLQ_SPOOL"] = self.store.root
-        env["SPOOLQ_WORKER"] = self.registration.worker_id
-        return env
