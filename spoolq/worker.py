@@ -83,7 +83,7 @@ def _run_as(job: dict) -> Any:
     (the owner of its file, which the claim keeps in ``run_as``), or None:
     run it as the worker. Raises KeyError for a uid without an entry."""
     uid = job.get("run_as")
-    if not uid or os.geteuid() != 0:
+    if not uid or os.geteuid() != 0:  # (geteuid only for a job that names a uid)
         return None
     import pwd
 
