@@ -1,0 +1,55 @@
+"""The trust model of a shared spool (docs/design.md, "Security") against a
+member of the group who plants files where the owner's or root's worker
+looks: staged records in cur/, job files with other names. ``owner`` owns
+the spool, ``web`` is a trusted member, ``evil`` an untrusted one."""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from pathlib import Path
+
+STAGE = r"""
+import json, sys, zlib
+spool, name, command, run_as = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+with open(f"{spool}/cur/{name}.json", "w") as f:
+    json.dump({"command": "true"}, f)
+run = {"attempt": 1, "worker": "w", "due": "2020-01-01T00:00:00Z", "start": "2020-01-01T00:00:00Z",
+       "end": "2020-01-01T00:00:01Z", "exit_code": 1, "error": "exit status 1"}
+outcome = {"command": command, "id": name, "state": "failed", "attempts": 1, "run_as": run_as, "history": [run],
+           "exit_code": 1, "error": "exit status 1", "failed_at": "2020-01-01T00:00:01Z"}
+data = json.dumps(outcome).encode()
+with open(f"{spool}/cur/.staged.{name}.json.{zlib.crc32(data):08x}", "wb") as f:
+    f.write(data)
+"""
+
+
+def _ok(proc):
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def _root_spool(users) -> str:
+    """A shared spool root made and owns, web trusted, retries at once."""
+    path = str(users.folder("root") / "spool")
+    _ok(users.spoolq(None, "-s", path, "init", "--group", users.group))
+    for key, value in (("trusted_users", users.web.name), ("backoff_initial", "0")):
+        _ok(users.spoolq(None, "-s", path, "config", "set", key, value))
+    return path
+
+
+def test_a_staged_record_a_member_plants_in_cur_is_never_taken_as_a_runs_outcome(users):
+    """A staged record is a worker's: recovery takes one only from a user
+    who runs workers on the spool. A trusted member's would otherwise
+    become a root-owned record, whose run_as a root worker believes."""
+    path = _root_spool(users)
+    out = users.folder("out")
+    os.chmod(out, 0o1777)
+    script = users.folder("bin") / "stage.py"
+    script.write_text(STAGE)
+    os.chmod(script, 0o644)
+    _ok(users.sh(users.web, f"{users.python} {script} {path} forged 'id -u > {out}/who' 0", umask="027"))
+    _ok(users.spoolq(None, "-s", path, "work"))
+    assert not (Path(out) / "who").exists(), "the member's forged command ran as " + (Path(out) / "who").read_text()
+    assert not [n for n in os.listdir(Path(path) / "cur")], os.listdir(Path(path) / "cur")
