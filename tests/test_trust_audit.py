@@ -53,3 +53,30 @@ def test_a_staged_record_a_member_plants_in_cur_is_never_taken_as_a_runs_outcome
     _ok(users.spoolq(None, "-s", path, "work"))
     assert not (Path(out) / "who").exists(), "the member's forged command ran as " + (Path(out) / "who").read_text()
     assert not [n for n in os.listdir(Path(path) / "cur")], os.listdir(Path(path) / "cur")
+
+
+def _owner_spool(users) -> Path:
+    """A shared spool of ``owner``, web trusted."""
+    spool = users.folder("shared", owner=users.owner) / "spool"
+    _ok(users.spoolq(users.owner, "-s", str(spool), "init", "--group", users.group))
+    for key, value in (("fsync", "false"), ("trusted_users", users.web.name)):
+        _ok(users.spoolq(users.owner, "-s", str(spool), "config", "set", key, value))
+    return spool
+
+
+def test_a_job_file_with_another_name_never_runs(users):
+    """A file runs only with one link: where fs.protected_hardlinks is 0 a
+    member may link any record it can see (a finished job's, in done/) into
+    new/ and have it run again."""
+    spool = _owner_spool(users)
+    out = users.folder("out")
+    os.chmod(out, 0o1777)
+    _ok(users.spoolq(users.web, "-s", str(spool), "enqueue", "--id", "once", f"echo ran >> {out}/ran", umask="027"))
+    _ok(users.spoolq(users.owner, "-s", str(spool), "work"))
+    assert (Path(out) / "ran").read_text() == "ran\n"
+    # Root makes the link, whatever fs.protected_hardlinks says here.
+    os.link(spool / "done" / "once.json", spool / "new" / "again.json")
+    _ok(users.spoolq(users.owner, "-s", str(spool), "work"))
+    assert (Path(out) / "ran").read_text() == "ran\n"
+    show = json.loads(_ok(users.spoolq(users.owner, "-s", str(spool), "show", "again", "--json")))
+    assert show["state"] == "dead" and "2 links" in show["error"], show
