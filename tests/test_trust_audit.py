@@ -80,3 +80,25 @@ def test_a_job_file_with_another_name_never_runs(users):
     assert (Path(out) / "ran").read_text() == "ran\n"
     show = json.loads(_ok(users.spoolq(users.owner, "-s", str(spool), "show", "again", "--json")))
     assert show["state"] == "dead" and "2 links" in show["error"], show
+
+
+def test_a_reason_a_member_writes_beside_another_users_dead_job_is_not_told(users):
+    """Why a job is in dead/ is kept in a dot-file beside it, naming the
+    file; a member can make such a file for another user's job, and its
+    words would be shown (and purged into the index) as that job's error."""
+    from spoolq import linux
+
+    spool = _owner_spool(users)
+    job = _ok(users.spoolq(users.web, "-s", str(spool), "enqueue", "--id", "later", "--in", "1h", "true",
+                           umask="027")).strip()
+    _ok(users.sh(users.web, f"mv {spool}/new/{job}.json {spool}/dead/"))
+    dead = os.open(spool / "dead", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        st = os.stat(f"{job}.json", dir_fd=dead, follow_symlinks=False)
+        identity = f"{st.st_ino} {st.st_dev} {linux.birth_ns(dead, f'{job}.json')}"
+    finally:
+        os.close(dead)
+    _ok(users.sh(users.evil, f"printf '%s\\nforged by evil' '{identity}' > {spool}/dead/.reason.{job}.json"))
+    for user in (users.owner, None):
+        show = json.loads(_ok(users.spoolq(user, "-s", str(spool), "show", job, "--json")))
+        assert "forged" not in str(show.get("error")), show
