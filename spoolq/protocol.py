@@ -1019,8 +1019,12 @@ class DeadReasons:
         kept for the file that has the name now."""
         try:
             st = os.stat(name, dir_fd=self.spool.fd("dead"), follow_symlinks=False)
-            data, _ = self.spool.read("dead", REASON_PREFIX + name, 1 << 16)
+            data, kept = self.spool.read("dead", REASON_PREFIX + name, 1 << 16)
         except (OSError, NotRegular):
+            return None
+        if kept.st_uid not in (0, self.spool.owner):
+            # Only workers and recovery note reasons, and only root and the
+            # owner run them; any member may make a dot-file in dead/.
             return None
         head, newline, reason = data.decode("utf-8", "surrogatepass").partition("\n")
         if not newline or head != _identity(self.spool.fd("dead"), name, st):

@@ -228,7 +228,13 @@ def _staged_outcome(ctx: Context, names: tuple[str, ...] | list[str], job: dict,
             continue  # a live process's, or gone: not ours to judge
         staged_held.append(h)
         limit = int(ctx.settings["max_job_bytes"])
-        if found is not None or h.st.st_uid not in ctx.trusted_uids or h.st.st_size > record.max_file_bytes(limit):
+        # A staged record is a worker's, and only this user, root and the
+        # spool's owner run workers: a member's (trusted_users vouch for the
+        # jobs it enqueues) would set a whole record, run_as and command
+        # included, that a root worker rewrites as root's and then believes.
+        workers = (os.geteuid(), 0, sp.owner)
+        if found is not None or h.st.st_uid not in workers or h.st.st_nlink != 1 or h.st.st_mode & 0o022 \
+                or h.st.st_size > record.max_file_bytes(limit):
             continue
         data = h.read(record.read_size(limit))
         if not staged_intact(name, data):

@@ -124,6 +124,13 @@ def check(ctx: Context, st: os.stat_result, read: Callable[[int], bytes], name: 
         who = "every user" if st.st_mode & 0o002 else "the spool's group"
         raise InvalidJob(f"writable by {who} (mode {stat.S_IMODE(st.st_mode):o}), so anyone there could have "
                          "changed it; write job files with umask 027 (mode 0640)")
+    if st.st_nlink != 1:
+        # Through another name (a member's link to a record in done/, say)
+        # a job runs again or changes behind this check. A maildir writer
+        # (safecat) links into new/ and then removes its tmp/ name: what
+        # is fresh in new/ is looked at again (see WRITER_GRACE).
+        raise Incomplete(f"{st.st_nlink} links: a job file with other names could be run or changed through them; "
+                         "give each job file one name")
     limit = int(ctx.settings["max_job_bytes"])
     if st.st_size > record.max_file_bytes(limit):
         raise InvalidJob(f"{st.st_size} bytes, larger than max_job_bytes ({limit})")

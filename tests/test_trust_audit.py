@@ -1,0 +1,104 @@
+"""The trust model of a shared spool (docs/design.md, "Security") against a
+member of the group who plants files where the owner's or root's worker
+looks: staged records in cur/, job files with other names. ``owner`` owns
+the spool, ``web`` is a trusted member, ``evil`` an untrusted one."""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from pathlib import Path
+
+STAGE = r"""
+import json, sys, zlib
+spool, name, command, run_as = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+with open(f"{spool}/cur/{name}.json", "w") as f:
+    json.dump({"command": "true"}, f)
+run = {"attempt": 1, "worker": "w", "due": "2020-01-01T00:00:00Z", "start": "2020-01-01T00:00:00Z",
+       "end": "2020-01-01T00:00:01Z", "exit_code": 1, "error": "exit status 1"}
+outcome = {"command": command, "id": name, "state": "failed", "attempts": 1, "run_as": run_as, "history": [run],
+           "exit_code": 1, "error": "exit status 1", "failed_at": "2020-01-01T00:00:01Z"}
+data = json.dumps(outcome).encode()
+with open(f"{spool}/cur/.staged.{name}.json.{zlib.crc32(data):08x}", "wb") as f:
+    f.write(data)
+"""
+
+
+def _ok(proc):
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def _root_spool(users) -> str:
+    """A shared spool root made and owns, web trusted, retries at once."""
+    path = str(users.folder("root") / "spool")
+    _ok(users.spoolq(None, "-s", path, "init", "--group", users.group))
+    for key, value in (("trusted_users", users.web.name), ("backoff_initial", "0")):
+        _ok(users.spoolq(None, "-s", path, "config", "set", key, value))
+    return path
+
+
+def test_a_staged_record_a_member_plants_in_cur_is_never_taken_as_a_runs_outcome(users):
+    """A staged record is a worker's: recovery takes one only from a user
+    who runs workers on the spool. A trusted member's would otherwise
+    become a root-owned record, whose run_as a root worker believes."""
+    path = _root_spool(users)
+    out = users.folder("out")
+    os.chmod(out, 0o1777)
+    script = users.folder("bin") / "stage.py"
+    script.write_text(STAGE)
+    os.chmod(script, 0o644)
+    _ok(users.sh(users.web, f"{users.python} {script} {path} forged 'id -u > {out}/who' 0", umask="027"))
+    _ok(users.spoolq(None, "-s", path, "work"))
+    assert not (Path(out) / "who").exists(), "the member's forged command ran as " + (Path(out) / "who").read_text()
+    assert not [n for n in os.listdir(Path(path) / "cur")], os.listdir(Path(path) / "cur")
+
+
+def _owner_spool(users) -> Path:
+    """A shared spool of ``owner``, web trusted."""
+    spool = users.folder("shared", owner=users.owner) / "spool"
+    _ok(users.spoolq(users.owner, "-s", str(spool), "init", "--group", users.group))
+    for key, value in (("fsync", "false"), ("trusted_users", users.web.name)):
+        _ok(users.spoolq(users.owner, "-s", str(spool), "config", "set", key, value))
+    return spool
+
+
+def test_a_job_file_with_another_name_never_runs(users):
+    """A file runs only with one link: where fs.protected_hardlinks is 0 a
+    member may link any record it can see (a finished job's, in done/) into
+    new/ and have it run again."""
+    spool = _owner_spool(users)
+    out = users.folder("out")
+    os.chmod(out, 0o1777)
+    _ok(users.spoolq(users.web, "-s", str(spool), "enqueue", "--id", "once", f"echo ran >> {out}/ran", umask="027"))
+    _ok(users.spoolq(users.owner, "-s", str(spool), "work"))
+    assert (Path(out) / "ran").read_text() == "ran\n"
+    # Root makes the link, whatever fs.protected_hardlinks says here.
+    os.link(spool / "done" / "once.json", spool / "new" / "again.json")
+    _ok(users.spoolq(users.owner, "-s", str(spool), "work"))
+    assert (Path(out) / "ran").read_text() == "ran\n"
+    show = json.loads(_ok(users.spoolq(users.owner, "-s", str(spool), "show", "again", "--json")))
+    assert show["state"] == "dead" and "2 links" in show["error"], show
+
+
+def test_a_reason_a_member_writes_beside_another_users_dead_job_is_not_told(users):
+    """Why a job is in dead/ is kept in a dot-file beside it, naming the
+    file; a member can make such a file for another user's job, and its
+    words would be shown (and purged into the index) as that job's error."""
+    from spoolq import linux
+
+    spool = _owner_spool(users)
+    job = _ok(users.spoolq(users.web, "-s", str(spool), "enqueue", "--id", "later", "--in", "1h", "true",
+                           umask="027")).strip()
+    _ok(users.sh(users.web, f"mv {spool}/new/{job}.json {spool}/dead/"))
+    dead = os.open(spool / "dead", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        st = os.stat(f"{job}.json", dir_fd=dead, follow_symlinks=False)
+        identity = f"{st.st_ino} {st.st_dev} {linux.birth_ns(dead, f'{job}.json')}"
+    finally:
+        os.close(dead)
+    _ok(users.sh(users.evil, f"printf '%s\\nforged by evil' '{identity}' > {spool}/dead/.reason.{job}.json"))
+    for user in (users.owner, None):
+        show = json.loads(_ok(users.spoolq(user, "-s", str(spool), "show", job, "--json")))
+        assert "forged" not in str(show.get("error")), show
