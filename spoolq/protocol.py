@@ -305,6 +305,7 @@ class SpoolDir:
                 self.shared = bool(root_st.st_mode & stat.S_ISGID and root_st.st_mode & 0o070)
                 self.owner = root_st.st_uid
                 _check_ownership(self.root, root_st, {f: os.fstat(fd) for f, fd in fds.items()})
+                _check_way_in(self.root, root_st.st_uid)
             except BaseException:
                 for fd in fds.values():
                     os.close(fd)
@@ -1454,6 +1455,43 @@ def _check_ownership(root: str, root_st: os.stat_result, folders: dict[str, os.s
             who = "every user" if st.st_mode & 0o002 else "its group"
             raise SpoolError(f"{path} is writable by {who} (mode {stat.S_IMODE(st.st_mode):o}), so one user could "
                              f"move or remove another's files; {_fix_for(root, root_st)}")
+
+
+def _check_way_in(root: str, spool_owner: int) -> None:
+    """Refuse a spool reached through a folder or symlink that someone other
+    than this user, the spool's owner or root could change: config.json,
+    index.db and the folders are opened by path, so whoever may swap a
+    folder on the way could point a worker at a spool of their own, or make
+    it write there."""
+    trusted = {os.geteuid(), 0, spool_owner}
+    seen = set()
+    for path in (os.path.abspath(root), os.path.realpath(root)):
+        ways = []
+        above = os.path.dirname(path)
+        while True:
+            ways.append(above)
+            if above == os.path.dirname(above):
+                break
+            above = os.path.dirname(above)
+        ways.append(path)  # the root itself only as a symlink: as a folder _check_ownership looks at it
+        for way in reversed(ways):
+            if way in seen:
+                continue
+            seen.add(way)
+            try:
+                st = os.lstat(way)
+            except OSError:
+                continue
+            link = stat.S_ISLNK(st.st_mode)
+            if way == path and not link:
+                continue
+            if st.st_uid not in trusted:
+                raise SpoolError(f"{root} is reached through {way}, which {user_name(st.st_uid)} owns and could "
+                                 "swap; use a path through folders of yours, the spool's owner's or root's")
+            if not link and st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+                raise SpoolError(f"{root} is reached through {way}, which others can write (mode "
+                                 f"{stat.S_IMODE(st.st_mode):o}) and so swap; use a path through folders "
+                                 "only their owner can change")
 
 
 def refuse_non_directory(path: str) -> None:

@@ -290,3 +290,25 @@ def test_root_making_the_layout_in_a_users_folder_makes_it_that_users_spool(user
     job = users.spoolq(users.web, "-s", str(spool), "enqueue", "true").stdout.strip()
     run = users.spoolq(users.owner, "-s", str(spool), "work")
     assert run.returncode == 0 and (spool / "done" / f"{job}.json").exists(), run.stderr
+
+
+def test_a_spool_reached_through_a_folder_or_link_someone_else_could_swap_is_refused(users):
+    spool = _shared(users)
+    evils = users.folder("evils", owner=users.evil)
+    assert users.sh(users.evil, f"ln -s {spool} {evils}/link").returncode == 0
+    for user in (users.owner, None):
+        error = _one_line_error(users.spoolq(user, "-s", f"{evils}/link", "work", "--max-jobs", "1"))
+        assert f"is reached through {evils}" in error and "sqtevil owns" in error, error
+    # A folder anyone may write, without the sticky bit, is as bad.
+    loose = users.folder("loose")
+    os.chmod(loose, 0o777)
+    inner = loose / "inner"
+    inner.mkdir()
+    os.chown(inner, users.owner.uid, users.owner.gid)
+    for args in (["init"], ["status"]):
+        error = _one_line_error(users.spoolq(users.owner, "-s", str(inner / "spool"), *args))
+        assert f"is reached through {loose}, which others can write (mode 777)" in error, args
+    # Through the owner's own folders, or root's, or a sticky one like /tmp, it is fine.
+    assert users.sh(users.owner, f"ln -s {spool} ~/spoolq-link").returncode == 0
+    run = users.spoolq(users.web, "-s", f"{users.owner.home}/spoolq-link", "status")
+    assert run.returncode == 0, run.stderr
