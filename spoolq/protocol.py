@@ -613,6 +613,26 @@ class SpoolDir:
         self.sync_dir(folder)
         return target
 
+    def move_squatter_aside(self, folder: str, name: str) -> bool:
+        """In a shared spool, move a member's file that took a job's name in
+        ``folder`` to dead/ (under a .dup- name, with the reason), so the
+        name keeps meaning the job that had it: a member may create any
+        name in a state folder, and would otherwise have ``show`` tell its
+        file as another user's job. Files of the spool's owner, root or
+        this user stay (an operator's copy is theirs to sort out)."""
+        if not self.shared:
+            return False
+        try:
+            st = os.stat(name, dir_fd=self.fd(folder), follow_symlinks=False)
+        except FileNotFoundError:
+            return True  # gone meanwhile: the name is free again
+        if st.st_uid in (self.owner, 0, os.geteuid()):
+            return False
+        aside = self.move_entry(folder, name, "dead", duplicate_name(name))
+        self.note_reason(aside, f"a file of {user_name(st.st_uid)} in {folder}/ under the name of a job, "
+                                "moved aside when that job got there", st)
+        return True
+
     def _free_name(self, folder: str, name: str, force_suffix: bool = False) -> str:
         if not force_suffix:
             try:
@@ -1259,6 +1279,7 @@ class Held:
         target = to_name or self.name
         src_dir = sp.fd(self.folder)
         dst_dir = sp.fd(to_folder)
+        asides = 3  # a squatter that keeps coming back gets the job a .dup- name after all
         while True:
             try:
                 rename_noreplace(src_dir, self.name, dst_dir, target)
@@ -1266,6 +1287,9 @@ class Held:
             except Exists:
                 if keep_name:
                     raise
+                if asides and target == (to_name or self.name) and sp.move_squatter_aside(to_folder, target):
+                    asides -= 1
+                    continue
                 target = sp._free_name(to_folder, to_name or self.name, force_suffix=True)
         if self.folder == "dead":  # its reason stays behind no longer (see note_reason)
             _unlink_quietly(src_dir, REASON_PREFIX + self.name)

@@ -102,3 +102,21 @@ def test_a_reason_a_member_writes_beside_another_users_dead_job_is_not_told(user
     for user in (users.owner, None):
         show = json.loads(_ok(users.spoolq(user, "-s", str(spool), "show", job, "--json")))
         assert "forged" not in str(show.get("error")), show
+
+
+def test_a_file_a_member_puts_under_a_jobs_name_in_done_or_failed_is_moved_aside(users):
+    path = _root_spool(users)
+    finishing = _ok(users.spoolq(users.web, "-s", path, "enqueue", "echo real")).strip()
+    failing = _ok(users.spoolq(users.web, "-s", path, "enqueue", "--max-attempts", "2", "exit 3")).strip()
+    forged = json.dumps({"command": "true", "state": "done", "outcome": "succeeded", "stdout": "FORGED\n"})
+    for folder, job in (("done", finishing), ("failed", failing)):
+        _ok(users.sh(users.evil, f"printf '%s' '{forged}' > {path}/{folder}/{job}.json"))
+    _ok(users.spoolq(None, "-s", path, "work", "--max-jobs", "2"))
+    real = json.loads(_ok(users.spoolq(users.web, "-s", path, "show", finishing, "--json")))
+    assert real["stdout"] == "real\n" and real["state"] == "done"
+    again = json.loads(_ok(users.spoolq(users.web, "-s", path, "show", failing, "--json")))
+    assert again["state"] == "failed" and again["exit_code"] == 3
+    aside = sorted(n for n in os.listdir(Path(path) / "dead") if not n.startswith("."))
+    assert len(aside) == 2 and all(".dup-" in n for n in aside), aside
+    reason = json.loads(_ok(users.spoolq(None, "-s", path, "show", aside[0].removesuffix(".json"), "--json")))["error"]
+    assert "a file of sqtevil in" in reason and "under the name of a job" in reason
