@@ -19,6 +19,30 @@ def user_name(uid: int) -> str:
         return str(uid)
 
 
+def writable_by_others(st: os.stat_result) -> str | None:
+    """Who besides the owner (and root) may write the file or folder ``st``
+    is of: "every user", "its group", or None. A group that holds no user
+    but the owner (a user private group, as Debian and Ubuntu give every
+    user, whose umask then is 002) lets no one else in."""
+    if st.st_mode & 0o002:
+        return "every user"
+    if st.st_mode & 0o020 and not _private_group(st):
+        return "its group"
+    return None
+
+
+def _private_group(st: os.stat_result) -> bool:
+    import grp
+    import pwd
+
+    try:
+        owner = pwd.getpwuid(st.st_uid)
+        group = grp.getgrgid(st.st_gid)
+    except KeyError:
+        return False
+    return owner.pw_gid == st.st_gid and all(member == owner.pw_name for member in group.gr_mem)
+
+
 def check_owner_file(path: str, st: os.stat_result, spool_owner: int) -> None:
     """Refuse (SpoolError) config.json or index.db (or its -wal, -shm)
     unless it belongs to the spool's owner or root and nobody else may
@@ -26,7 +50,7 @@ def check_owner_file(path: str, st: os.stat_result, spool_owner: int) -> None:
     if st.st_uid not in (spool_owner, 0):
         raise SpoolError(f"{path} belongs to {user_name(st.st_uid)}, not to the spool's owner "
                          f"{user_name(spool_owner)}: not used (remove it, or give it to the owner)")
-    if st.st_mode & 0o022:
-        who = "every user" if st.st_mode & 0o002 else "its group"
+    who = writable_by_others(st)
+    if who:
         raise SpoolError(f"{path} is writable by {who} (mode {stat.S_IMODE(st.st_mode):o}): not used; "
                          f"run 'chmod go-w {path}' as its owner")

@@ -27,7 +27,7 @@ import zlib
 from typing import Callable, Iterator, NamedTuple
 
 from . import linux, procs
-from .owners import check_owner_file, user_name  # noqa: F401 - importable from here too
+from .owners import check_owner_file, user_name, writable_by_others  # noqa: F401 - importable from here too
 from .errors import Busy, Exists, Gone, NoSuchGroup, NotASpool, NotRegular, SpoolError  # noqa: F401 - importable from here too
 from .ids import (  # noqa: F401 - importable from here too
     REASON_PREFIX,
@@ -1464,9 +1464,10 @@ def _check_ownership(root: str, root_st: os.stat_result, folders: dict[str, os.s
         if not (shared and member):
             raise SpoolError(f"{root} belongs to {user_name(owner)}: spoolq uses a spool of your own, root's, "
                              "or a shared one of a group you are in")
-    if mode & 0o002:
+    who = writable_by_others(root_st)
+    if who == "every user":
         raise SpoolError(f"{root} is writable by every user (mode {stat.S_IMODE(mode):o}); {_fix_for(root, root_st)}")
-    if mode & 0o020:
+    if who:
         raise SpoolError(f"{root} is writable by its group (mode {stat.S_IMODE(mode):o}), so a member could replace "
                          f"its settings; {_fix_for(root, root_st)}")
     for folder, st in folders.items():
@@ -1474,9 +1475,8 @@ def _check_ownership(root: str, root_st: os.stat_result, folders: dict[str, os.s
         if st.st_uid not in (owner, 0):
             raise SpoolError(f"{path} belongs to {user_name(st.st_uid)}, not to the spool's owner "
                              f"{user_name(owner)}; {_fix_for(root, root_st)}")
-        loose = st.st_mode & 0o002 or (st.st_mode & 0o020 and (folder == "workers" or not st.st_mode & stat.S_ISVTX))
-        if loose:
-            who = "every user" if st.st_mode & 0o002 else "its group"
+        who = writable_by_others(st)
+        if who == "every user" or (who and (folder == "workers" or not st.st_mode & stat.S_ISVTX)):
             raise SpoolError(f"{path} is writable by {who} (mode {stat.S_IMODE(st.st_mode):o}), so one user could "
                              f"move or remove another's files; {_fix_for(root, root_st)}")
 
@@ -1512,7 +1512,7 @@ def _check_way_in(root: str, spool_owner: int) -> None:
             if st.st_uid not in trusted:
                 raise SpoolError(f"{root} is reached through {way}, which {user_name(st.st_uid)} owns and could "
                                  "swap; use a path through folders of yours, the spool's owner's or root's")
-            if not link and st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+            if not link and writable_by_others(st) and not st.st_mode & stat.S_ISVTX:
                 raise SpoolError(f"{root} is reached through {way}, which others can write (mode "
                                  f"{stat.S_IMODE(st.st_mode):o}) and so swap; use a path through folders "
                                  "only their owner can change")

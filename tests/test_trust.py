@@ -309,6 +309,22 @@ def test_a_spool_reached_through_a_folder_or_link_someone_else_could_swap_is_ref
         error = _one_line_error(users.spoolq(users.owner, "-s", str(inner / "spool"), *args))
         assert f"is reached through {loose}, which others can write (mode 777)" in error, args
     # Through the owner's own folders, or root's, or a sticky one like /tmp, it is fine.
-    assert users.sh(users.owner, f"ln -s {spool} ~/spoolq-link").returncode == 0
-    run = users.spoolq(users.web, "-s", f"{users.owner.home}/spoolq-link", "status")
+    mine = users.folder("ownerlink", owner=users.owner)
+    assert users.sh(users.owner, f"ln -s {spool} {mine}/link").returncode == 0
+    run = users.spoolq(users.web, "-s", f"{mine}/link", "status")
     assert run.returncode == 0, run.stderr
+
+
+def test_folders_and_settings_writable_only_by_a_users_private_group_are_fine(users):
+    # Debian and Ubuntu give each user a group of its own and a umask of 002.
+    home = users.folder("upg", owner=users.owner)
+    project = home / "project"
+    assert users.sh(users.owner, f"mkdir {project}", umask="002").returncode == 0
+    assert _mode(project) == 0o775 and os.stat(project).st_gid == users.owner.gid
+    run = users.spoolq(users.owner, "enqueue", "echo private group", cwd=str(project), umask="002")
+    assert run.returncode == 0, run.stderr
+    assert users.sh(users.owner, "printf '{\"fsync\": false}' > spool/config.json", cwd=str(project),
+                    umask="002").returncode == 0
+    assert _mode(project / "spool" / "config.json") == 0o664
+    run = users.spoolq(users.owner, "work", cwd=str(project), umask="002")
+    assert run.returncode == 0 and len(os.listdir(project / "spool" / "done")) == 1, run.stderr
