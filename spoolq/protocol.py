@@ -628,7 +628,12 @@ class SpoolDir:
             return True  # gone meanwhile: the name is free again
         if st.st_uid in (self.owner, 0, os.geteuid()):
             return False
-        aside = self.move_entry(folder, name, "dead", duplicate_name(name))
+        try:
+            aside = self.move_entry(folder, name, "dead", duplicate_name(name))
+        except PermissionError:
+            # A member's directory moves to another folder only for a user
+            # who may write the directory itself: the job takes a .dup- name.
+            return False
         self.note_reason(aside, f"a file of {user_name(st.st_uid)} in {folder}/ under the name of a job, "
                                 "moved aside when that job got there", st)
         return True

@@ -101,6 +101,10 @@ def _hold_batch(ctx: Context, report: RecoveryReport, batch: int, tried: set[str
                 report.quarantined += 1
             except FileNotFoundError:
                 pass
+            except PermissionError:
+                # A member's directory, which only a user who may write it
+                # moves to another folder: it names no job, so it stays.
+                pass
     return held
 
 

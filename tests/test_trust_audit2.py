@@ -1,0 +1,56 @@
+"""The trust model of a shared spool (docs/design.md, "Security") against
+an untrusted member who plants directories where the owner's worker moves
+jobs: ``owner`` owns the spool and runs its workers, ``web`` is a trusted
+member, ``evil`` an untrusted one. A non-root owner cannot move a member's
+directory to another folder (that needs write permission on the directory
+itself), so such a directory must never wedge a job or stop a worker."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+def _ok(proc):
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def _owner_spool(users) -> Path:
+    """A shared spool of ``owner``, web trusted."""
+    spool = users.folder("shared", owner=users.owner) / "spool"
+    _ok(users.spoolq(users.owner, "-s", str(spool), "init", "--group", users.group))
+    for key, value in (("fsync", "false"), ("trusted_users", users.web.name)):
+        _ok(users.spoolq(users.owner, "-s", str(spool), "config", "set", key, value))
+    return spool
+
+
+def test_a_members_directory_under_a_jobs_name_in_done_never_wedges_the_job(users):
+    """A member may create any name in done/, a directory included; the
+    job that finishes under that name still reaches done/ (under a .dup-
+    name) and the worker goes on with the next job."""
+    spool = _owner_spool(users)
+    _ok(users.spoolq(users.web, "-s", str(spool), "enqueue", "--id", "first", "true", umask="027"))
+    _ok(users.spoolq(users.web, "-s", str(spool), "enqueue", "--id", "second", "--in", "0", "true", umask="027"))
+    _ok(users.sh(users.evil, f"mkdir -m 700 {spool}/done/first.json"))
+    proc = users.spoolq(users.owner, "-s", str(spool), "work")
+    assert proc.returncode == 0, proc.stderr
+    assert os.listdir(spool / "cur") == []
+    records = [json.loads((spool / "done" / n).read_text()) for n in os.listdir(spool / "done")
+               if (spool / "done" / n).is_file()]
+    assert sorted(r["outcome"] for r in records) == ["succeeded", "succeeded"], records
+    assert any(r["id"] == "second" for r in records), records
+
+
+def test_a_members_directory_in_cur_never_stops_recovery(users):
+    """Recovery leaves in cur/ a member's directory it may not move, and
+    recovers the abandoned jobs beside it."""
+    spool = _owner_spool(users)
+    _ok(users.sh(users.evil, f"mkdir -m 700 {spool}/cur/0.json"))
+    # A job whose worker died without a trace: in cur/, unlocked, unregistered.
+    _ok(users.sh(users.owner, f"printf '{{\"command\": \"true\"}}' > {spool}/cur/abandoned.json", umask="027"))
+    proc = users.spoolq(users.owner, "-s", str(spool), "sweep")
+    assert proc.returncode == 0, proc.stderr
+    assert "abandoned.json" not in os.listdir(spool / "cur")
+    assert "abandoned.json" in os.listdir(spool / "failed")
