@@ -1527,6 +1527,10 @@ def refuse_non_directory(path: str) -> None:
     """SpoolError when ``path`` exists but is not a directory (say a file
     given where the spool should be)."""
     if os.path.lexists(path) and not os.path.isdir(path):
+        if os.path.islink(path) and not os.path.exists(path):
+            # Nothing is made at a link's target: the user says where the spool goes.
+            raise SpoolError(f"{path} is a symlink to {os.readlink(path)}, which does not exist; "
+                             "create that folder first (mkdir), then run spoolq again")
         raise SpoolError(f"{path} exists and is not a directory")
 
 

@@ -54,3 +54,17 @@ def test_a_members_directory_in_cur_never_stops_recovery(users):
     assert proc.returncode == 0, proc.stderr
     assert "abandoned.json" not in os.listdir(spool / "cur")
     assert "abandoned.json" in os.listdir(spool / "failed")
+
+
+def test_a_spool_path_that_is_a_dangling_symlink_is_told_as_one(users):
+    """A symlink made before its target (``ln -s /data/spool spool``) is
+    not "a file that is not a directory": the error says what to create."""
+    home = users.folder("home", owner=users.out)
+    _ok(users.sh(users.out, "ln -s data/spool spool", cwd=str(home)))
+    proc = users.spoolq(users.out, "enqueue", "true", cwd=str(home))
+    assert proc.returncode == 1
+    assert proc.stderr == f"spoolq: {home}/spool is a symlink to data/spool, which does not exist; " \
+                          "create that folder first (mkdir), then run spoolq again\n"
+    _ok(users.sh(users.out, "mkdir -p data/spool", cwd=str(home)))
+    _ok(users.spoolq(users.out, "enqueue", "true", cwd=str(home)))
+    assert (home / "data" / "spool" / "new").is_dir()
