@@ -17,7 +17,7 @@ from . import procs, record, registry
 from .protocol import Busy, Gone, Held, NotRegular, file_name, id_of, staged_intact
 from .record import InvalidJob
 from .runner import Outcome
-from .transitions import Claimed, Context, backoff, check, finish, quarantine, write_and_move
+from .transitions import Claimed, Context, backoff, check, finish, quarantine, runs_as_another, write_and_move
 
 
 @dataclass
@@ -28,6 +28,7 @@ class RecoveryReport:
     quarantined: int = 0
     killed: int = 0  # leftover processes killed
     left_running: int = 0  # jobs left in cur/: their runs' processes live on, not ours to kill
+    left_for_root: int = 0  # jobs a root worker left, which only root's recovery moves on (see _recover_held)
     workers: int = 0  # dead worker registrations cleared
     tmp_removed: int = 0  # stale tmp/ files removed (sweep)
 
@@ -168,8 +169,14 @@ def _recover_held(ctx: Context, held: Held, run: tuple | None, staged: tuple[str
         quarantine(ctx, held, str(e))
         report.quarantined += 1
         return False
-    attempts = int(job.get("attempts") or 0)
     reg, entry = run if run else (None, None)
+    if not ctx.as_root and (runs_as_another(ctx, held.st, job) or (reg is not None and reg.held.st.st_uid == 0)):
+        # A root worker's job runs as its file's owner; rewritten by this
+        # user it would become this user's, and run as this user. Root's
+        # recovery moves it on.
+        report.left_for_root += 1
+        return True
+    attempts = int(job.get("attempts") or 0)
     run_attempt = entry.get("attempt") if entry and isinstance(entry.get("attempt"), int) else attempts + 1
     finished = job.get("state") in ("done", "dead")  # never claimed in that state: a recorded finish
     if not finished:

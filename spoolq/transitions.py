@@ -169,10 +169,11 @@ def _check_accepted(ctx: Context, st: os.stat_result, job: dict) -> None:
     if owner == 0:
         return
     if job.get("kind") is not None:
-        if not ctx.settings.get("root_handlers", False):
+        # Root's consent, not the spool owner's: only a config.json root owns counts.
+        if not (ctx.settings.get("root_handlers", False) and getattr(ctx.settings, "set_by_root", False)):
             raise InvalidJob(
                 f"a handler job owned by {_user_name(owner)} (uid {owner}): a root worker runs handlers as root, "
-                "so it runs only root's handler jobs unless the root_handlers setting is true"
+                "so it runs only root's handler jobs unless root sets the root_handlers setting to true"
             )
         return
     try:
@@ -641,6 +642,16 @@ def _rename_hint(ctx: Context, name: str) -> str:
             f"then retry {fresh}")
 
 
+def runs_as_another(ctx: Context, st: os.stat_result, job: dict) -> str | None:
+    """The user a root worker's record says its job runs as, when that is
+    not this (non-root) user: a rewrite by this user would make the file
+    its own, and the job would then run as this user. None otherwise."""
+    owner = job.get("run_as")
+    if ctx.as_root or st.st_uid != 0 or not isinstance(owner, int) or owner in (0, os.geteuid()):
+        return None
+    return _user_name(owner)
+
+
 def _retry_held(ctx: Context, held: Held, on_note: Callable[[str], None] | None) -> None:
     if id_problem(id_of(held.name)):
         raise NotPossible(_rename_hint(ctx, held.name))
@@ -652,6 +663,10 @@ def _retry_held(ctx: Context, held: Held, on_note: Callable[[str], None] | None)
             raise NotPossible(f"cannot retry {id_of(held.name)}: {e}") from None
         path = os.path.join(ctx.spool.root, "dead", held.name)
         raise NotPossible(f"cannot retry {id_of(held.name)}: {e}; fix the file ({path}) or remove it") from None
+    other = runs_as_another(ctx, held.st, job)
+    if other:
+        raise NotPossible(f"cannot retry {id_of(held.name)}: a root worker runs it as {other}, and a retry by "
+                          f"{_user_name(os.geteuid())} would make it run as {_user_name(os.geteuid())}; retry it as root")
     target = file_name(job["id"])
     elsewhere = ctx.spool.find((target,), ("new", "cur", "failed", "done"))
     if elsewhere:

@@ -420,6 +420,9 @@ class Worker:
             self.log.line(f"worker={self.wid} left {report.left_running} jobs of dead workers in cur/: "
                           "their processes still run and are another user's to kill (recovered by the first recovery after they end)", 0,
                           logging.WARNING)
+        if report.left_for_root:
+            self.log.line(f"worker={self.wid} left {report.left_for_root} jobs of a root worker in cur/ "
+                          "for root's recovery (they run as their owners)", 0, logging.WARNING)
         if removed:
             self.log.line(f"worker={self.wid} removed {removed} stale tmp/ files", 1)
 

@@ -959,11 +959,12 @@ def _as(user: str, gid: int) -> list[str]:
     return ["setpriv", f"--reuid={user}", f"--regid={gid}", "--clear-groups"]
 
 
-def test_recovery_leaves_a_job_whose_processes_are_another_users_until_they_end(users):
+def test_the_owners_recovery_leaves_a_root_workers_job_to_root_so_it_stays_the_members(users):
     """A root worker runs a member's job as that member, and dies with the
-    job's process still running; the spool's owner's recovery cannot kill
-    it (not its process). The job stays in cur/ until that process ends,
-    so it never runs twice at once."""
+    job's process still running. The spool owner's recovery leaves the job
+    in cur/ (rewritten by the owner, it would run as the owner); root's
+    kills what the run left and moves it on, and it runs again as the
+    member."""
     base = users.folder("crash", owner=users.owner)
     path = str(base / "spool")
     job_id = f"long-{os.getpid()}"  # its own: a suite run beside this one has processes of the same job
@@ -979,24 +980,23 @@ def test_recovery_leaves_a_job_whose_processes_are_another_users_until_they_end(
     run(users.owner, "config", "set", "backoff_initial", "0")
     runs.touch()
     os.chmod(runs, 0o666)
-    run(users.web, "enqueue", "--id", job_id, f'echo run >> {runs}; if [ "$SPOOLQ_ATTEMPT" = 1 ]; then exec sleep 300; fi')
+    run(users.web, "enqueue", "--id", job_id, f'id -un >> {runs}; if [ "$SPOOLQ_ATTEMPT" = 1 ]; then exec sleep 300; fi')
     worker = users.popen(None, "-s", path, "work", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        wait_for(lambda: runs.read_text() == "run\n", what="the job to start")
+        wait_for(lambda: runs.read_text() == "sqtweb\n", what="the job to start")
         worker.kill()
         worker.wait()
         job_pids = _processes_with_env(f"SPOOLQ_JOB_ID={job_id}")  # (readable: the test runs as root)
         assert len(job_pids) == 1  # the job's process outlived its worker
         assert os.stat(f"/proc/{job_pids[0]}").st_uid == users.web.uid
         out = run(users.owner, "sweep").stdout
-        assert "recovered 0 to failed/" in out and "left 1 jobs in cur/" in out, out
+        assert "recovered 0 to failed/" in out and "left 1 jobs of a root worker in cur/" in out, out
         assert os.listdir(os.path.join(path, "cur")) == [f"{job_id}.json"] and _alive(job_pids[0])
-        os.kill(job_pids[0], signal.SIGKILL)  # its owner's doing
+        out = run(None, "sweep").stdout
+        assert "recovered 1 to failed/" in out and "killed 1 processes" in out and "left" not in out, out
         wait_for(lambda: not _alive(job_pids[0]), what="the job's process to end")
-        out = run(users.owner, "sweep").stdout
-        assert "recovered 1 to failed/" in out and "left" not in out, out
         ran = run(None, "work")
-        assert runs.read_text() == "run\nrun\n", (ran.stderr, run(users.owner, "show", job_id).stdout)
+        assert runs.read_text() == "sqtweb\nsqtweb\n", (ran.stderr, run(users.owner, "show", job_id).stdout)
         job = json.loads(run(users.owner, "show", job_id, "--json").stdout)
         assert job["attempts"] == 2 and job["history"][0]["error"].startswith("interrupted")
     finally:

@@ -215,9 +215,10 @@ def test_a_root_worker_killed_mid_job_has_what_its_job_left_killed_by_roots_reco
     spool = _shared_spool(users, "genuine-root")
     pids = _run_job_and_kill_its_worker(users, spool, None, folder)
     try:
-        # The owner may not kill root's processes: the job stays in cur/.
+        # The owner leaves a root worker's job to root: the job stays in cur/.
         proc = users.spoolq(users.owner, "-s", spool, "sweep")
-        assert "left 1 jobs in cur/" in proc.stdout and "recovered 0" in proc.stdout, proc.stdout + proc.stderr
+        assert "left 1 jobs of a root worker in cur/" in proc.stdout and "recovered 0" in proc.stdout, \
+            proc.stdout + proc.stderr
         assert all(_alive(pid) for pid in pids)
         proc = users.spoolq(None, "-s", spool, "sweep")
         assert "recovered 1 to failed/" in proc.stdout and "killed 2 processes" in proc.stdout, proc.stdout + proc.stderr
