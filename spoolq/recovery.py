@@ -170,10 +170,7 @@ def _recover_held(ctx: Context, held: Held, run: tuple | None, staged: tuple[str
         report.quarantined += 1
         return False
     reg, entry = run if run else (None, None)
-    if not ctx.as_root and (runs_as_another(ctx, held.st, job) or (reg is not None and reg.held.st.st_uid == 0)):
-        # A root worker's job runs as its file's owner; rewritten by this
-        # user it would become this user's, and run as this user. Root's
-        # recovery moves it on.
+    if _for_root(ctx, held, job, reg):
         report.left_for_root += 1
         return True
     attempts = int(job.get("attempts") or 0)
@@ -222,6 +219,19 @@ def _recover_held(ctx: Context, held: Held, run: tuple | None, staged: tuple[str
     else:
         report.recovered += 1
     return False
+
+
+def _for_root(ctx: Context, held: Held, job: dict, reg: registry.DeadRegistration | None) -> bool:
+    """Whether this (non-root) user leaves the job to root's recovery: a
+    root worker runs a job as its file's owner (or its record's ``run_as``),
+    and rewritten by this user the file would become this user's, and the
+    job then run as this user."""
+    if ctx.as_root:
+        return False
+    if runs_as_another(ctx, held.st, job):
+        return True
+    me = os.geteuid()
+    return reg is not None and reg.held.st.st_uid == 0 and held.st.st_uid != me and job.get("run_as") != me
 
 
 def _staged_outcome(ctx: Context, names: tuple[str, ...] | list[str], job: dict, run_attempt: int,
