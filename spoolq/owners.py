@@ -43,6 +43,40 @@ def _private_group(st: os.stat_result) -> bool:
     return owner.pw_gid == st.st_gid and all(member == owner.pw_name for member in group.gr_mem)
 
 
+def swappable(path: str, trusted: set[int]) -> tuple[str, os.stat_result] | None:
+    """The first place on the way to ``path`` that a user outside
+    ``trusted`` could swap for something of their own, with its lstat: a
+    folder above it (as written and as resolved) that such a user owns or
+    that others may write without the sticky bit, or a symlink on the way
+    that such a user owns. None when there is none. ``path`` itself counts
+    only as a symlink: as a folder or file its caller judges it."""
+    seen = set()
+    for full in (os.path.abspath(path), os.path.realpath(path)):
+        ways = [full]
+        above = os.path.dirname(full)
+        while True:
+            ways.append(above)
+            if above == os.path.dirname(above):
+                break
+            above = os.path.dirname(above)
+        for way in ways:
+            if way in seen:
+                continue
+            seen.add(way)
+            try:
+                st = os.lstat(way)
+            except OSError:
+                continue
+            link = stat.S_ISLNK(st.st_mode)
+            if way == full and not link:
+                continue
+            if st.st_uid not in trusted:
+                return way, st
+            if not link and writable_by_others(st) and not st.st_mode & stat.S_ISVTX:
+                return way, st
+    return None
+
+
 def check_owner_file(path: str, st: os.stat_result, spool_owner: int) -> None:
     """Refuse (SpoolError) config.json or index.db (or its -wal, -shm)
     unless it belongs to the spool's owner or root and nobody else may

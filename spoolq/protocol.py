@@ -27,7 +27,7 @@ import zlib
 from typing import Callable, Iterator, NamedTuple
 
 from . import linux, procs
-from .owners import check_owner_file, user_name, writable_by_others  # noqa: F401 - importable from here too
+from .owners import check_owner_file, swappable, user_name, writable_by_others  # noqa: F401 - importable from here too
 from .errors import Busy, Exists, Gone, NoSuchGroup, NotASpool, NotRegular, SpoolError  # noqa: F401 - importable from here too
 from .ids import (  # noqa: F401 - importable from here too
     REASON_PREFIX,
@@ -1493,34 +1493,16 @@ def _check_way_in(root: str, spool_owner: int) -> None:
     folder on the way could point a worker at a spool of their own, or make
     it write there."""
     trusted = {os.geteuid(), 0, spool_owner}
-    seen = set()
-    for path in (os.path.abspath(root), os.path.realpath(root)):
-        ways = []
-        above = os.path.dirname(path)
-        while True:
-            ways.append(above)
-            if above == os.path.dirname(above):
-                break
-            above = os.path.dirname(above)
-        ways.append(path)  # the root itself only as a symlink: as a folder _check_ownership looks at it
-        for way in reversed(ways):
-            if way in seen:
-                continue
-            seen.add(way)
-            try:
-                st = os.lstat(way)
-            except OSError:
-                continue
-            link = stat.S_ISLNK(st.st_mode)
-            if way == path and not link:
-                continue
-            if st.st_uid not in trusted:
-                raise SpoolError(f"{root} is reached through {way}, which {user_name(st.st_uid)} owns and could "
-                                 "swap; use a path through folders of yours, the spool's owner's or root's")
-            if not link and writable_by_others(st) and not st.st_mode & stat.S_ISVTX:
-                raise SpoolError(f"{root} is reached through {way}, which others can write (mode "
-                                 f"{stat.S_IMODE(st.st_mode):o}) and so swap; use a path through folders "
-                                 "only their owner can change")
+    found = swappable(root, trusted)
+    if found is None:
+        return
+    way, st = found
+    if st.st_uid not in trusted:
+        raise SpoolError(f"{root} is reached through {way}, which {user_name(st.st_uid)} owns and could "
+                         "swap; use a path through folders of yours, the spool's owner's or root's")
+    raise SpoolError(f"{root} is reached through {way}, which others can write (mode "
+                     f"{stat.S_IMODE(st.st_mode):o}) and so swap; use a path through folders "
+                     "only their owner can change")
 
 
 def refuse_non_directory(path: str) -> None:

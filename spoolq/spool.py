@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping
 
 from . import config, record
 from .errors import DuplicateId, Exists, InvalidJob, NotRegular, PartlyEnqueued, SpoolError  # noqa: F401 - importable from here too
+from .owners import swappable, user_name
 from .protocol import SpoolDir, file_name, id_of, id_problem, new_id, refuse_non_directory
 from .views import Views
 
@@ -475,40 +476,25 @@ def load_app(spec: str) -> dict[str, Callable[[Any], Any]]:
 def _writable_by_others(path: str) -> str | None:
     """Why a user other than this one (or root) can put files in ``path``,
     or None: through its own mode or owner, or through a folder above it
-    that lets others rename it (one writable by others without the sticky bit)."""
-    import pwd
-    import stat
-
-    def owner(uid: int) -> str:
-        try:
-            return pwd.getpwuid(uid).pw_name
-        except KeyError:
-            return str(uid)
-
+    that lets others swap it (see owners.swappable)."""
     me = os.geteuid()
     try:
         st = os.stat(path)
     except OSError:
         return "unreadable"
     if st.st_uid not in (me, 0):
-        return f"owned by another user ({owner(st.st_uid)})"
+        return f"owned by another user ({user_name(st.st_uid)})"
     if st.st_mode & 0o002:
         return "writable by others"
     if st.st_mode & 0o020:
         return "writable by its group"
-    above = os.path.dirname(os.path.realpath(path))
-    while True:
-        try:
-            st = os.stat(above)
-        except OSError:
-            return None
-        if st.st_uid not in (me, 0):
-            return f"inside {above}, owned by another user ({owner(st.st_uid)})"
-        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
-            return f"inside {above}, which others can write"
-        if above == os.path.dirname(above):
-            return None
-        above = os.path.dirname(above)
+    found = swappable(path, {me, 0})
+    if found is None:
+        return None
+    way, st = found
+    if st.st_uid not in (me, 0):
+        return f"inside {way}, owned by another user ({user_name(st.st_uid)})"
+    return f"inside {way}, which others can write"
 
 
 def _empty_or_missing(path: str) -> bool:

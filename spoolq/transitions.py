@@ -34,6 +34,7 @@ from .protocol import (
     kind_of,
     listed_names,
 )
+from .owners import user_name
 from .record import rfc3339
 from .runner import Outcome
 
@@ -74,13 +75,6 @@ def _uid_of(user: str) -> int | None:
             return None
 
 
-def _user_name(uid: int) -> str:
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return str(uid)
-
-
 @dataclass
 class Claimed:
     """A job this process holds and is about to run: locked in its waiting
@@ -116,7 +110,7 @@ def check(ctx: Context, st: os.stat_result, read: Callable[[int], bytes], name: 
         raise InvalidJob(f"{kind_of(st.st_mode)}, not a regular file")
     if st.st_uid not in ctx.trusted_uids:
         raise InvalidJob(
-            f"owned by untrusted user {_user_name(st.st_uid)} (uid {st.st_uid}); "
+            f"owned by untrusted user {user_name(st.st_uid)} (uid {st.st_uid}); "
             "add it to the trusted_users setting to run its jobs"
         )
     if st.st_mode & 0o002 or (st.st_mode & 0o020 and ctx.spool.shared):
@@ -163,7 +157,7 @@ def _check_accepted(ctx: Context, st: os.stat_result, job: dict) -> None:
             raise InvalidJob(f"run_as must be a uid (an integer >= 0), not {repr(owner)[:40]}")
         if owner not in ctx.trusted_uids:
             raise InvalidJob(
-                f"to run as untrusted user {_user_name(owner)} (uid {owner}); "
+                f"to run as untrusted user {user_name(owner)} (uid {owner}); "
                 "add it to the trusted_users setting to run its jobs"
             )
     if owner == 0:
@@ -172,7 +166,7 @@ def _check_accepted(ctx: Context, st: os.stat_result, job: dict) -> None:
         # Root's consent, not the spool owner's: only a config.json root owns counts.
         if not (ctx.settings.get("root_handlers", False) and getattr(ctx.settings, "set_by_root", False)):
             raise InvalidJob(
-                f"a handler job owned by {_user_name(owner)} (uid {owner}): a root worker runs handlers as root, "
+                f"a handler job owned by {user_name(owner)} (uid {owner}): a root worker runs handlers as root, "
                 "so it runs only root's handler jobs unless root sets the root_handlers setting to true"
             )
         return
@@ -649,7 +643,7 @@ def runs_as_another(ctx: Context, st: os.stat_result, job: dict) -> str | None:
     owner = job.get("run_as")
     if ctx.as_root or st.st_uid != 0 or not isinstance(owner, int) or owner in (0, os.geteuid()):
         return None
-    return _user_name(owner)
+    return user_name(owner)
 
 
 def _retry_held(ctx: Context, held: Held, on_note: Callable[[str], None] | None) -> None:
@@ -666,7 +660,7 @@ def _retry_held(ctx: Context, held: Held, on_note: Callable[[str], None] | None)
     other = runs_as_another(ctx, held.st, job)
     if other:
         raise NotPossible(f"cannot retry {id_of(held.name)}: a root worker runs it as {other}, and a retry by "
-                          f"{_user_name(os.geteuid())} would make it run as {_user_name(os.geteuid())}; retry it as root")
+                          f"{user_name(os.geteuid())} would make it run as {user_name(os.geteuid())}; retry it as root")
     target = file_name(job["id"])
     elsewhere = ctx.spool.find((target,), ("new", "cur", "failed", "done"))
     if elsewhere:

@@ -17,18 +17,6 @@ MODES = {"": 0o2750, "tmp": 0o3770, "new": 0o3770, "cur": 0o3770, "failed": 0o37
          "done": 0o3770, "workers": 0o2750}
 
 
-def _shared(users, trusted: str | None = "web") -> Path:
-    """A shared spool of ``owner``, with ``web`` trusted."""
-    spool = users.folder("shared", owner=users.owner) / "spool"
-    run = users.spoolq(users.owner, "-s", str(spool), "init", "--group", users.group)
-    assert run.returncode == 0, run.stderr
-    assert users.spoolq(users.owner, "-s", str(spool), "config", "set", "fsync", "false").returncode == 0
-    if trusted:
-        name = getattr(users, trusted).name
-        assert users.spoolq(users.owner, "-s", str(spool), "config", "set", "trusted_users", name).returncode == 0
-    return spool
-
-
 def _drop_as(users, user, spool: Path, name: str, job: dict, umask: str = "027"):
     """The README's shell drop, as ``user`` under ``umask``."""
     return users.sh(user, 'printf "%s\\n" "$2" > "$1/tmp/$3" && mv "$1/tmp/$3" "$1/new/$3.json"',
@@ -45,7 +33,7 @@ def _one_line_error(run) -> str:
 
 
 def test_a_shared_spool_has_the_documented_modes_and_a_member_enqueues_and_reads(users):
-    spool = _shared(users)
+    spool = users.shared_spool()
     gid = users.gid
     for folder, mode in MODES.items():
         st = os.stat(spool / folder)
@@ -94,7 +82,7 @@ def test_a_shared_spool_has_the_documented_modes_and_a_member_enqueues_and_reads
 
 
 def test_a_member_cannot_rewrite_the_settings_to_trust_itself(users):
-    spool = _shared(users)
+    spool = users.shared_spool()
     out = users.folder("out", owner=users.evil)
     forged = json.dumps({"trusted_users": [users.evil.name], "fsync": False})
     attempts = [
@@ -113,7 +101,7 @@ def test_a_member_cannot_rewrite_the_settings_to_trust_itself(users):
 
 
 def test_settings_or_an_index_that_another_user_could_have_written_are_refused(users):
-    spool = _shared(users)
+    spool = users.shared_spool()
     # A config.json the member got in somehow (made by root for it here):
     # the worker refuses to run with it, and says what to do.
     config = spool / "config.json"
@@ -138,7 +126,7 @@ def test_settings_or_an_index_that_another_user_could_have_written_are_refused(u
 
 
 def test_a_member_cannot_change_or_replace_a_trusted_members_job(users):
-    spool = _shared(users)
+    spool = users.shared_spool()
     out = users.folder("out", owner=users.evil)
     os.chmod(out, 0o777)
     assert _drop_as(users, users.web, spool, "careful", {"command": f"echo web > {out}/careful"}).returncode == 0
@@ -165,7 +153,7 @@ def test_a_member_cannot_change_or_replace_a_trusted_members_job(users):
 
 
 def test_a_member_cannot_rename_a_record_back_into_new(users):
-    spool = _shared(users)
+    spool = users.shared_spool()
     out = users.folder("out", owner=users.web)
     os.chmod(out, 0o777)
     job = users.spoolq(users.web, "-s", str(spool), "enqueue", f"echo once >> {out}/ran").stdout.strip()
@@ -184,7 +172,7 @@ def test_a_member_cannot_rename_a_record_back_into_new(users):
 
 
 def test_a_member_cancels_its_own_waiting_job_and_no_one_elses(users):
-    spool = _shared(users)
+    spool = users.shared_spool()
     mine = users.spoolq(users.web, "-s", str(spool), "enqueue", "--in", "1h", "true").stdout.strip()
     theirs = users.spoolq(users.owner, "-s", str(spool), "enqueue", "--in", "1h", "true").stdout.strip()
     run = users.spoolq(users.web, "-s", str(spool), "cancel", mine)
@@ -221,7 +209,7 @@ def test_a_spool_another_user_made_is_refused(users):
 
 
 def test_an_older_shared_spools_loose_modes_are_refused_until_init_sets_them(users):
-    spool = _shared(users)
+    spool = users.shared_spool()
     job = users.spoolq(users.web, "-s", str(spool), "enqueue", "true").stdout.strip()
     for folder in MODES:
         os.chmod(spool / folder, 0o2770)
@@ -257,7 +245,7 @@ def test_a_private_spool_is_the_owners_alone_under_any_umask(users):
 
 
 def test_purge_never_copies_another_users_file_linked_into_dead_into_the_index(users):
-    spool = _shared(users)
+    spool = users.shared_spool()
     secret = users.folder("secret", owner=users.out) / "secret"
     secret.write_text("the out user's secret\n")
     os.chown(secret, users.out.uid, users.out.gid)
@@ -293,7 +281,7 @@ def test_root_making_the_layout_in_a_users_folder_makes_it_that_users_spool(user
 
 
 def test_a_spool_reached_through_a_folder_or_link_someone_else_could_swap_is_refused(users):
-    spool = _shared(users)
+    spool = users.shared_spool()
     evils = users.folder("evils", owner=users.evil)
     assert users.sh(users.evil, f"ln -s {spool} {evils}/link").returncode == 0
     for user in (users.owner, None):

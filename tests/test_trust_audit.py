@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import zlib
 from pathlib import Path
 
 STAGE = r"""
@@ -55,20 +54,11 @@ def test_a_staged_record_a_member_plants_in_cur_is_never_taken_as_a_runs_outcome
     assert not [n for n in os.listdir(Path(path) / "cur")], os.listdir(Path(path) / "cur")
 
 
-def _owner_spool(users) -> Path:
-    """A shared spool of ``owner``, web trusted."""
-    spool = users.folder("shared", owner=users.owner) / "spool"
-    _ok(users.spoolq(users.owner, "-s", str(spool), "init", "--group", users.group))
-    for key, value in (("fsync", "false"), ("trusted_users", users.web.name)):
-        _ok(users.spoolq(users.owner, "-s", str(spool), "config", "set", key, value))
-    return spool
-
-
 def test_a_job_file_with_another_name_never_runs(users):
     """A file runs only with one link: where fs.protected_hardlinks is 0 a
     member may link any record it can see (a finished job's, in done/) into
     new/ and have it run again."""
-    spool = _owner_spool(users)
+    spool = users.shared_spool()
     out = users.folder("out")
     os.chmod(out, 0o1777)
     _ok(users.spoolq(users.web, "-s", str(spool), "enqueue", "--id", "once", f"echo ran >> {out}/ran", umask="027"))
@@ -88,7 +78,7 @@ def test_a_reason_a_member_writes_beside_another_users_dead_job_is_not_told(user
     words would be shown (and purged into the index) as that job's error."""
     from spoolq import linux
 
-    spool = _owner_spool(users)
+    spool = users.shared_spool()
     job = _ok(users.spoolq(users.web, "-s", str(spool), "enqueue", "--id", "later", "--in", "1h", "true",
                            umask="027")).strip()
     _ok(users.sh(users.web, f"mv {spool}/new/{job}.json {spool}/dead/"))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 
 def _ok(proc):
@@ -17,20 +16,11 @@ def _ok(proc):
     return proc.stdout
 
 
-def _owner_spool(users) -> Path:
-    """A shared spool of ``owner``, web trusted."""
-    spool = users.folder("shared", owner=users.owner) / "spool"
-    _ok(users.spoolq(users.owner, "-s", str(spool), "init", "--group", users.group))
-    for key, value in (("fsync", "false"), ("trusted_users", users.web.name)):
-        _ok(users.spoolq(users.owner, "-s", str(spool), "config", "set", key, value))
-    return spool
-
-
 def test_a_members_directory_under_a_jobs_name_in_done_never_wedges_the_job(users):
     """A member may create any name in done/, a directory included; the
     job that finishes under that name still reaches done/ (under a .dup-
     name) and the worker goes on with the next job."""
-    spool = _owner_spool(users)
+    spool = users.shared_spool()
     _ok(users.spoolq(users.web, "-s", str(spool), "enqueue", "--id", "first", "true", umask="027"))
     _ok(users.spoolq(users.web, "-s", str(spool), "enqueue", "--id", "second", "--in", "0", "true", umask="027"))
     _ok(users.sh(users.evil, f"mkdir -m 700 {spool}/done/first.json"))
@@ -46,7 +36,7 @@ def test_a_members_directory_under_a_jobs_name_in_done_never_wedges_the_job(user
 def test_a_members_directory_in_cur_never_stops_recovery(users):
     """Recovery leaves in cur/ a member's directory it may not move, and
     recovers the abandoned jobs beside it."""
-    spool = _owner_spool(users)
+    spool = users.shared_spool()
     _ok(users.sh(users.evil, f"mkdir -m 700 {spool}/cur/0.json"))
     # A job whose worker died without a trace: in cur/, unlocked, unregistered.
     _ok(users.sh(users.owner, f"printf '{{\"command\": \"true\"}}' > {spool}/cur/abandoned.json", umask="027"))

@@ -67,6 +67,15 @@ class Users:
             os.chown(path, owner.uid, owner.gid)
         return path
 
+    def shared_spool(self) -> Path:
+        """A shared spool of ``owner`` (fsync off) in which ``web`` is trusted."""
+        spool = self.folder("shared", owner=self.owner) / "spool"
+        for args in (["init", "--group", self.group], ["config", "set", "fsync", "false"],
+                     ["config", "set", "trusted_users", self.web.name]):
+            run = self.spoolq(self.owner, "-s", str(spool), *args)
+            assert run.returncode == 0, run.stderr
+        return spool
+
     def env(self, user: User | None, extra: dict | None = None) -> dict:
         env = {k: v for k, v in os.environ.items() if not k.startswith("SPOOLQ_")}
         env["PYTHONPATH"] = str(self.lib)
