@@ -14,15 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SPOOLQ, needs_tuning, tuned_worker, wait_for
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (FileNotFoundError, ProcessLookupError):
-        return False
+from conftest import SPOOLQ, alive, needs_tuning, tuned_worker, wait_for
 
 
 def _processes_with_env(needle: str) -> list[int]:
@@ -31,7 +23,7 @@ def _processes_with_env(needle: str) -> list[int]:
         if p.isdigit():
             try:
                 with open(f"/proc/{p}/environ", "rb") as f:
-                    if needle.encode() in f.read().split(b"\0") and _alive(int(p)):
+                    if needle.encode() in f.read().split(b"\0") and alive(int(p)):
                         found.append(int(p))
             except OSError:
                 pass
@@ -52,11 +44,11 @@ def test_kill_9_mid_job_then_sweep_kills_its_processes_and_counts_the_run(fast_s
     assert s.ids("cur") == [job_id]
     worker.send_signal(signal.SIGKILL)
     worker.wait()
-    assert all(_alive(p) for p in job_pids)  # orphans, until recovery
+    assert all(alive(p) for p in job_pids)  # orphans, until recovery
     out = s.run("sweep").stdout
     assert "recovered 1 to failed/" in out
     for pid in job_pids:
-        wait_for(lambda: not _alive(pid), timeout=10, what=f"process {pid} of the dead run to be killed")
+        wait_for(lambda: not alive(pid), timeout=10, what=f"process {pid} of the dead run to be killed")
     assert s.where(job_id) == ["failed"]
     job = s.record("failed", job_id)
     assert job["attempts"] == 1
@@ -82,7 +74,7 @@ def test_recovery_never_kills_a_reused_pid(fast_spool, tmp_path):
         (s.path / "workers" / "ghost.1.abcdef.json").write_text(json.dumps(registration))
         assert "killed 0 processes" in s.run("sweep").stdout
         assert s.where(job_id) == ["failed"]
-        assert bystander.poll() is None and _alive(bystander.pid)
+        assert bystander.poll() is None and alive(bystander.pid)
     finally:
         bystander.kill()
         bystander.wait()
@@ -991,10 +983,10 @@ def test_the_owners_recovery_leaves_a_root_workers_job_to_root_so_it_stays_the_m
         assert os.stat(f"/proc/{job_pids[0]}").st_uid == users.web.uid
         out = run(users.owner, "sweep").stdout
         assert "recovered 0 to failed/" in out and "left 1 jobs of a root worker in cur/" in out, out
-        assert os.listdir(os.path.join(path, "cur")) == [f"{job_id}.json"] and _alive(job_pids[0])
+        assert os.listdir(os.path.join(path, "cur")) == [f"{job_id}.json"] and alive(job_pids[0])
         out = run(None, "sweep").stdout
         assert "recovered 1 to failed/" in out and "killed 1 processes" in out and "left" not in out, out
-        wait_for(lambda: not _alive(job_pids[0]), what="the job's process to end")
+        wait_for(lambda: not alive(job_pids[0]), what="the job's process to end")
         ran = run(None, "work")
         assert runs.read_text() == "sqtweb\nsqtweb\n", (ran.stderr, run(users.owner, "show", job_id).stdout)
         job = json.loads(run(users.owner, "show", job_id, "--json").stdout)

@@ -17,15 +17,7 @@ from typing import Callable, Iterator
 
 import pytest
 
-from conftest import wait_for
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (FileNotFoundError, ProcessLookupError):
-        return False
+from conftest import alive, wait_for
 
 
 def _start_time(pid: int) -> int:
@@ -62,7 +54,7 @@ class Victims:
         return proc.pid
 
     def alive(self) -> list[bool]:
-        return [_alive(p.pid) for p in self.procs]
+        return [alive(p.pid) for p in self.procs]
 
     def stop(self) -> None:
         for proc in self.procs:
@@ -183,7 +175,7 @@ def _run_job_and_kill_its_worker(users, spool: str, user, folder: Path) -> tuple
     finally:
         worker.send_signal(signal.SIGKILL)
         worker.wait()
-    assert all(_alive(pid) for pid in pids)
+    assert all(alive(pid) for pid in pids)
     return pids[0], pids[1]
 
 
@@ -198,15 +190,15 @@ def test_a_worker_killed_mid_job_has_what_its_job_left_killed_by_its_users_recov
         # the job, whose run visibly goes on, stays in cur/ untouched.
         proc = users.spoolq(None, "-s", spool, "sweep")
         assert "killed 0 processes" in proc.stdout and "left 1 jobs in cur/" in proc.stdout, proc.stdout + proc.stderr
-        assert all(_alive(pid) for pid in pids) and os.listdir(Path(spool) / "cur") == ["long.json"]
+        assert all(alive(pid) for pid in pids) and os.listdir(Path(spool) / "cur") == ["long.json"]
         proc = users.spoolq(users.owner, "-s", spool, "sweep")
         assert "recovered 1 to failed/" in proc.stdout and "killed 2 processes" in proc.stdout, proc.stdout + proc.stderr
-        wait_for(lambda: not any(_alive(pid) for pid in pids), what="the job's processes to die")
+        wait_for(lambda: not any(alive(pid) for pid in pids), what="the job's processes to die")
         show = json.loads(users.spoolq(users.owner, "-s", spool, "show", "long", "--json").stdout)
         assert show["state"] == "failed" and show["history"][-1]["error"] == "interrupted: the worker running it died"
     finally:
         for pid in pids:
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
 
 
@@ -219,13 +211,13 @@ def test_a_root_worker_killed_mid_job_has_what_its_job_left_killed_by_roots_reco
         proc = users.spoolq(users.owner, "-s", spool, "sweep")
         assert "left 1 jobs of a root worker in cur/" in proc.stdout and "recovered 0" in proc.stdout, \
             proc.stdout + proc.stderr
-        assert all(_alive(pid) for pid in pids)
+        assert all(alive(pid) for pid in pids)
         proc = users.spoolq(None, "-s", spool, "sweep")
         assert "recovered 1 to failed/" in proc.stdout and "killed 2 processes" in proc.stdout, proc.stdout + proc.stderr
-        wait_for(lambda: not any(_alive(pid) for pid in pids), what="the job's processes to die")
+        wait_for(lambda: not any(alive(pid) for pid in pids), what="the job's processes to die")
     finally:
         for pid in pids:
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
 
 
@@ -247,4 +239,4 @@ def test_another_users_process_with_a_dead_workers_marker_neither_dies_nor_holds
     _plant(users, spool, f"{worker}.json", json.dumps(text), users.owner, 0o640)
     proc = users.spoolq(None, "-s", spool, "sweep")
     assert "recovered 1 to failed/" in proc.stdout and "left" not in proc.stdout, proc.stdout + proc.stderr
-    assert _alive(copier)
+    assert alive(copier)
