@@ -1382,7 +1382,7 @@ def make_layout(path: str, group: str | None) -> list[tuple[str, int, int]]:
             try:
                 gid = grp.getgrgid(int(group)).gr_gid
             except (KeyError, ValueError):
-                raise NoSuchGroup(f"--group: no such group: {group}") from None
+                raise NoSuchGroup(f"--group: no such group: {group!r}") from None
     # A root given as a symlink (./spool -> /data/spool) is the folder it
     # names; from there on nothing is followed.
     root = os.path.realpath(path) if os.path.islink(path) else path

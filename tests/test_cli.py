@@ -610,3 +610,12 @@ def test_app_is_imported_from_the_users_own_0755_current_directory(tmp_path):
     job_id = s.enqueue("--kind", "hello", "--payload", '"me"')
     s.run("work", "--app", "planted_app:HANDLERS", cwd=own)
     assert s.show(job_id)["result"] == "hello me" and os.path.exists(os.path.join(own, "imported"))
+
+
+def test_init_names_a_group_that_does_not_exist_even_an_empty_one(tmp_path):
+    from conftest import SpoolFixture
+
+    s = SpoolFixture(tmp_path / "spool")
+    for group in ("", "no-such-group-here"):
+        proc = s.run("init", "--group", group, check=False)
+        assert proc.returncode == 2 and proc.stderr == f"spoolq: --group: no such group: {group!r}\n", proc.stderr
