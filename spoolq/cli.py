@@ -599,9 +599,6 @@ def sweep(ctx):
     if r.left_running:
         echo(f"left {r.left_running} jobs in cur/: their processes still run and are another user's to kill "
              "(the first sweep or worker start after those end recovers them)")
-    if r.left_for_root:
-        echo(f"left {r.left_for_root} jobs of a root worker in cur/: they run as their owners, so root recovers "
-             "them (spoolq sweep as root, or a root worker's start)")
 
 
 @cli.command()

@@ -50,7 +50,7 @@ HELP = {
     "trusted_users": "users besides the worker's own, the spool's owner and root whose job files run",
     "allow_commands": "run command and argv jobs (false: they go to dead/, enqueue refuses them)",
     "allowed_kinds": "the handler kinds that run (empty = every kind); others go to dead/",
-    "root_handlers": "a root worker runs handler jobs whose file root does not own (as root; only when root sets it)",
+    "root_handlers": "a root worker runs handler jobs that others enqueued (as root)",
     "compact_after": "fold done/ into index.db when it holds more files (0 = never)",
     "rescan_interval": "seconds between full rescans in watch mode",
 }
@@ -213,15 +213,9 @@ _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCH
 
 
 def read_file(path: str) -> bytes:
-    """The first MiB of config.json (see read_owned)."""
-    return read_owned(path)[0]
-
-
-def read_owned(path: str) -> tuple[bytes, int]:
-    """The first MiB of config.json and the uid that owns it, read only if
-    it is a regular file: a FIFO would block every reader, and a symbolic
-    link (never followed) would let whoever may write the spool root point
-    the settings anywhere."""
+    """The first MiB of config.json, read only if it is a regular file: a
+    FIFO would block every reader, and a symbolic link (never followed)
+    would let whoever may write the spool root point the settings anywhere."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
@@ -248,27 +242,24 @@ def read_owned(path: str) -> tuple[bytes, int]:
                 break
             chunks.append(chunk)
             left -= len(chunk)
-        return b"".join(chunks), st.st_uid
+        return b"".join(chunks)
     finally:
         os.close(fd)
 
 
-def load(root: str, owner: list[int] | None = None) -> dict[str, Any]:
+def load(root: str) -> dict[str, Any]:
     """The spool's settings: config.json over the defaults. A broken file is
-    an error (a worker must not run with settings nobody chose). ``owner``
-    gets the uid that owns config.json appended (none without one)."""
+    an error (a worker must not run with settings nobody chose)."""
     settings = dict(DEFAULTS)
     path = os.path.join(root, "config.json")
     try:
-        raw, uid = read_owned(path)
+        raw = read_file(path)
     except FileNotFoundError:
         return settings
     except PermissionError:
         raise  # no access to the spool (or the file): not a bad setting, and said as such
     except OSError as e:
         raise ConfigError(f"cannot read {path}: {e.strerror}") from None
-    if owner is not None:
-        owner.append(uid)
     try:
         stored = json.loads(raw or b"{}")
     except ValueError as e:
@@ -296,7 +287,6 @@ class Settings(dict):
         self.root = root
         self.loaded = False
         self.generation = 0
-        self.set_by_root = False  # config.json belongs to root: root chose these settings (see root_handlers)
         self._on_load: list[Any] = []
 
     def on_load(self, callback: Any) -> None:
@@ -305,10 +295,7 @@ class Settings(dict):
 
     def reload(self) -> None:
         """Read config.json again; on an error (raised) the values stay as they were."""
-        owner: list[int] = []
-        values = load(self.root, owner)
-        self.set_by_root = owner == [0]
-        self.use(values)
+        self.use(load(self.root))
 
     def use(self, values: dict[str, Any]) -> None:
         """Take ``values`` as the settings."""

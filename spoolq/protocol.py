@@ -316,7 +316,8 @@ class SpoolDir:
         """Refuse (SpoolError) unless this user owns the open spool or is
         root: a member of a shared spool's group only enqueues and reads."""
         if os.geteuid() not in (self.owner, 0):
-            raise SpoolError(f"only {user_name(self.owner)}, who owns {self.root}, or root may {action}")
+            who = f"{user_name(self.owner)}, who owns {self.root}," + ("" if self.owner == 0 else " or root")
+            raise SpoolError(f"only {who} may {action}")
 
     def fd(self, folder: str) -> int:
         if not self._fds:

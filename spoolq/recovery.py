@@ -17,7 +17,7 @@ from . import procs, record, registry
 from .protocol import Busy, Gone, Held, NotRegular, file_name, id_of, staged_intact
 from .record import InvalidJob
 from .runner import Outcome
-from .transitions import Claimed, Context, backoff, check, finish, quarantine, runs_as_another, write_and_move
+from .transitions import Claimed, Context, backoff, check, finish, quarantine, write_and_move
 
 
 @dataclass
@@ -28,7 +28,6 @@ class RecoveryReport:
     quarantined: int = 0
     killed: int = 0  # leftover processes killed
     left_running: int = 0  # jobs left in cur/: their runs' processes live on, not ours to kill
-    left_for_root: int = 0  # jobs a root worker left, which only root's recovery moves on (see _recover_held)
     workers: int = 0  # dead worker registrations cleared
     tmp_removed: int = 0  # stale tmp/ files removed (sweep)
 
@@ -56,9 +55,10 @@ def _recover_batch(ctx: Context, report: RecoveryReport, batch: int, tried: set[
     staged = sp.staged_records() if held else {}
     dead_workers: list[registry.DeadRegistration] = []
     try:
-        # Registrations are this user's or root's: trusted_users vouch for
-        # the jobs a user enqueues, never for which processes get killed.
-        dead_workers = registry.take_dead(sp, wait_for=held_ids, trusted=frozenset({os.geteuid(), 0}))
+        # Registrations are the spool owner's, who alone runs workers on it
+        # (root, only on a spool of root's): trusted_users vouch for the
+        # jobs a user enqueues, never for which processes get killed.
+        dead_workers = registry.take_dead(sp, wait_for=held_ids, trusted=frozenset({os.geteuid()}))
         believed = [reg for reg in dead_workers if reg.believed]
         runs = _interrupted_runs(dead_workers, report)
         # A run whose processes live on and are not ours to kill (a worker of
@@ -170,9 +170,6 @@ def _recover_held(ctx: Context, held: Held, run: tuple | None, staged: tuple[str
         report.quarantined += 1
         return False
     reg, entry = run if run else (None, None)
-    if _for_root(ctx, held, job, reg):
-        report.left_for_root += 1
-        return True
     attempts = int(job.get("attempts") or 0)
     run_attempt = entry.get("attempt") if entry and isinstance(entry.get("attempt"), int) else attempts + 1
     finished = job.get("state") in ("done", "dead")  # never claimed in that state: a recorded finish
@@ -221,19 +218,6 @@ def _recover_held(ctx: Context, held: Held, run: tuple | None, staged: tuple[str
     return False
 
 
-def _for_root(ctx: Context, held: Held, job: dict, reg: registry.DeadRegistration | None) -> bool:
-    """Whether this (non-root) user leaves the job to root's recovery: a
-    root worker runs a job as its file's owner (or its record's ``run_as``),
-    and rewritten by this user the file would become this user's, and the
-    job then run as this user."""
-    if ctx.as_root:
-        return False
-    if runs_as_another(ctx, held.st, job):
-        return True
-    me = os.geteuid()
-    return reg is not None and reg.held.st.st_uid == 0 and held.st.st_uid != me and job.get("run_as") != me
-
-
 def _staged_outcome(ctx: Context, names: tuple[str, ...] | list[str], job: dict, run_attempt: int,
                     staged_held: list[Held]) -> dict | None:
     """The finished record of run ``run_attempt`` of ``job`` among the
@@ -249,12 +233,11 @@ def _staged_outcome(ctx: Context, names: tuple[str, ...] | list[str], job: dict,
             continue  # a live process's, or gone: not ours to judge
         staged_held.append(h)
         limit = int(ctx.settings["max_job_bytes"])
-        # A staged record is a worker's, and only this user, root and the
-        # spool's owner run workers: a member's (trusted_users vouch for the
-        # jobs it enqueues) would set a whole record, run_as and command
+        # A staged record is a worker's, and only the spool's owner (this
+        # user) runs workers: a member's (trusted_users vouch for the jobs
+        # it enqueues) would set a whole record, run_as and command
         # included, that a root worker rewrites as root's and then believes.
-        workers = (os.geteuid(), 0, sp.owner)
-        if found is not None or h.st.st_uid not in workers or h.st.st_nlink != 1 or h.st.st_mode & 0o022 \
+        if found is not None or h.st.st_uid != os.geteuid() or h.st.st_nlink != 1 or h.st.st_mode & 0o022 \
                 or h.st.st_size > record.max_file_bytes(limit):
             continue
         data = h.read(record.read_size(limit))

@@ -342,8 +342,9 @@ class Spool(Views):
         what their runs left) and remove stale tmp/ files."""
         from . import recovery  # imported here: start-up speed (as in context())
 
+        _require_runner(self.dir, "sweep it", "sweep")
         self._open(create=True)
-        self.dir.require_owner("sweep it")
+        _require_runner(self.dir, "sweep it", "sweep")
         try:
             report = recovery.recover(self.context())
         finally:
@@ -386,8 +387,9 @@ class Spool(Views):
         """
         from .output import as_log  # imported here: start-up speed (as the worker)
 
+        _require_runner(self.dir, "run workers on it", "work")
         self._open(create=True)
-        self.dir.require_owner("run workers on it")
+        _require_runner(self.dir, "run workers on it", "work")
         options = dict(handlers=dict(handlers or {}), max_time=max_time, watch=watch, poll=poll, log=as_log(log), tuning=tuning)
         if processes and max_jobs is not None:
             jobs = max(1, min(jobs, max_jobs))  # no worker process without a job to claim; one still recovers
@@ -471,6 +473,32 @@ def load_app(spec: str) -> dict[str, Callable[[Any], Any]]:
     if bad:
         raise ValueError(f"{spec}: handler for {bad[0]!r} is not callable")
     return dict(obj)
+
+
+def _require_runner(sp: SpoolDir, action: str, command: str) -> None:
+    """Refuse (SpoolError) ``spoolq COMMAND`` (anything that runs jobs,
+    recovers them or signals processes) to a user other than the spool's
+    owner, and to root on a spool root does not own: in another user's
+    spool every file is one that user could have written, so root would
+    run, recover and signal on that user's word. Root's spool is root's
+    alone, as atd's is. Called before the spool is opened (nothing is made
+    in another user's folder: a missing workers/, say) and after."""
+    if sp.owner == -1:
+        try:
+            owner = os.stat(sp.root).st_uid
+        except OSError:
+            return  # none yet: the one made next is this user's
+    else:
+        sp.require_owner(action)
+        owner = sp.owner
+    if os.geteuid() == 0 and owner != 0:
+        import shlex
+
+        name = user_name(owner)
+        doing = "sweeps only a spool" if command == "sweep" else "runs workers only on a spool"
+        raise SpoolError(f"{sp.root} belongs to {name}: root {doing} root owns; run it as {name} "
+                         f"(runuser -u {shlex.quote(name)} -- spoolq -s {shlex.quote(sp.root)} {command}), "
+                         "or make a spool of root's")
 
 
 def _writable_by_others(path: str) -> str | None:

@@ -138,12 +138,14 @@ def check(ctx: Context, st: os.stat_result, read: Callable[[int], bytes], name: 
 
 
 def _check_accepted(ctx: Context, st: os.stat_result, job: dict) -> None:
-    """Refuse what the settings refuse, and, for a root worker, settle whose
-    job this is. A root worker runs a command as the owner of its file, and
-    every record it rewrites becomes root's, so the owner is kept in the
-    record as ``run_as``: believed only in a file root owns (a producer can
-    write the field, but cannot make root own its file), and set from the
-    owner of any other file, whatever that file says."""
+    """Refuse what the settings refuse, and, as root, settle whose job this
+    is. A root worker runs a command as the user who enqueued it, the owner
+    of its file when first seen, and every record root rewrites becomes
+    root's, so root keeps that user in the record as ``run_as``: believed
+    only in a file root owns (a producer can write the field, but cannot
+    make root own its file), and set from the owner of any other file,
+    whatever that file says. Root stamps it in whatever spool it rewrites a
+    record in, so no record of root's runs as root unless root enqueued it."""
     problem = config.refusal(ctx.settings, job)
     if problem:
         raise InvalidJob(problem)
@@ -160,11 +162,11 @@ def _check_accepted(ctx: Context, st: os.stat_result, job: dict) -> None:
                 f"to run as untrusted user {user_name(owner)} (uid {owner}); "
                 "add it to the trusted_users setting to run its jobs"
             )
-    if owner == 0:
-        return
+    if owner == 0 or ctx.spool.owner != 0:
+        return  # what follows is a root worker's, and root runs workers only on a spool of its own
     if job.get("kind") is not None:
-        # Root's consent, not the spool owner's: only a config.json root owns counts.
-        if not (ctx.settings.get("root_handlers", False) and getattr(ctx.settings, "set_by_root", False)):
+        # The setting is root's: only root writes the settings of root's spool.
+        if not ctx.settings.get("root_handlers", False):
             raise InvalidJob(
                 f"a handler job owned by {user_name(owner)} (uid {owner}): a root worker runs handlers as root, "
                 "so it runs only root's handler jobs unless root sets the root_handlers setting to true"
@@ -175,7 +177,7 @@ def _check_accepted(ctx: Context, st: os.stat_result, job: dict) -> None:
     except KeyError:
         raise InvalidJob(
             f"owned by uid {owner}, which has no entry in the password database; "
-            "a root worker runs each job as its file's owner"
+            "a root worker runs each job as the user who enqueued it"
         ) from None
 
 
@@ -636,16 +638,6 @@ def _rename_hint(ctx: Context, name: str) -> str:
             f"then retry {fresh}")
 
 
-def runs_as_another(ctx: Context, st: os.stat_result, job: dict) -> str | None:
-    """The user a root worker's record says its job runs as, when that is
-    not this (non-root) user: a rewrite by this user would make the file
-    its own, and the job would then run as this user. None otherwise."""
-    owner = job.get("run_as")
-    if ctx.as_root or st.st_uid != 0 or not isinstance(owner, int) or owner in (0, os.geteuid()):
-        return None
-    return user_name(owner)
-
-
 def _retry_held(ctx: Context, held: Held, on_note: Callable[[str], None] | None) -> None:
     if id_problem(id_of(held.name)):
         raise NotPossible(_rename_hint(ctx, held.name))
@@ -657,10 +649,6 @@ def _retry_held(ctx: Context, held: Held, on_note: Callable[[str], None] | None)
             raise NotPossible(f"cannot retry {id_of(held.name)}: {e}") from None
         path = os.path.join(ctx.spool.root, "dead", held.name)
         raise NotPossible(f"cannot retry {id_of(held.name)}: {e}; fix the file ({path}) or remove it") from None
-    other = runs_as_another(ctx, held.st, job)
-    if other:
-        raise NotPossible(f"cannot retry {id_of(held.name)}: a root worker runs it as {other}, and a retry by "
-                          f"{user_name(os.geteuid())} would make it run as {user_name(os.geteuid())}; retry it as root")
     target = file_name(job["id"])
     elsewhere = ctx.spool.find((target,), ("new", "cur", "failed", "done"))
     if elsewhere:

@@ -80,7 +80,7 @@ STOPPING_NOW = "running jobs are killed and go back to failed/"
 
 def _run_as(job: dict) -> Any:
     """The password entry of the user a root worker runs a command job as
-    (the owner of its file, which the claim keeps in ``run_as``), or None:
+    (the user who enqueued it, which the claim keeps in ``run_as``), or None:
     run it as the worker. Raises KeyError for a uid without an entry."""
     uid = job.get("run_as")
     if not uid or os.geteuid() != 0:  # (geteuid only for a job that names a uid)
@@ -420,9 +420,6 @@ class Worker:
             self.log.line(f"worker={self.wid} left {report.left_running} jobs of dead workers in cur/: "
                           "their processes still run and are another user's to kill (recovered by the first recovery after they end)", 0,
                           logging.WARNING)
-        if report.left_for_root:
-            self.log.line(f"worker={self.wid} left {report.left_for_root} jobs of a root worker in cur/ "
-                          "for root's recovery (they run as their owners)", 0, logging.WARNING)
         if removed:
             self.log.line(f"worker={self.wid} removed {removed} stale tmp/ files", 1)
 

@@ -283,8 +283,9 @@ def test_root_making_the_layout_in_a_users_folder_makes_it_that_users_spool(user
 def test_a_spool_reached_through_a_folder_or_link_someone_else_could_swap_is_refused(users):
     spool = users.shared_spool()
     evils = users.folder("evils", owner=users.evil)
-    assert users.sh(users.evil, f"ln -s {spool} {evils}/link").returncode == 0
-    for user in (users.owner, None):
+    # Each through a link of evil's to a spool of its own (root works only on root's).
+    for user, target in ((users.owner, spool), (None, users.root_spool())):
+        assert users.sh(users.evil, f"ln -sfn {target} {evils}/link").returncode == 0
         error = _one_line_error(users.spoolq(user, "-s", f"{evils}/link", "work", "--max-jobs", "1"))
         assert f"is reached through {evils}" in error and "sqtevil owns" in error, error
     # A folder anyone may write, without the sticky bit, is as bad.

@@ -4,7 +4,8 @@ or one the group can write) gets nothing signalled, and even a believed
 registration gets a process killed only if it runs as the registration's
 owner (any user under root's), carries that worker's SPOOLQ_WORKER and
 started after the worker did. A worker killed mid-job still has what its
-job left killed by recovery."""
+job left killed by recovery. Root recovers only a spool of root's; every
+other spool only its owner."""
 
 from __future__ import annotations
 
@@ -93,12 +94,13 @@ def _plant(users, spool: str, name: str, text: str, owner, mode: int) -> Path:
     return path
 
 
-def _recover_as_everyone(users, spool: str, plant: Callable[[], object]) -> Iterator[str]:
-    """``sweep`` and ``work`` as root and as the owner, each after ``plant``
+def _recover_as_everyone(users, spools: list, plant: Callable[[str], object]) -> Iterator[str]:
+    """``sweep`` and ``work`` as root and as the owner, each on its own
+    spool in ``spools`` ((user, spool), None: root) after ``plant(spool)``
     (one that believed the file may have removed it), yielding what each said."""
-    for user in (None, users.owner):
+    for user, spool in spools:
         for args in (("sweep",), ("work",)):
-            plant()
+            plant(spool)
             proc = users.spoolq(user, "-s", spool, *args)
             assert proc.returncode == 0, (user, args, proc.stderr)
             yield f"{args[0]} as {user.name if user else 'root'}: {proc.stdout}{proc.stderr}"
@@ -120,26 +122,27 @@ def test_a_registration_recovery_may_not_believe_gets_no_process_killed(users, v
     """The victims run as a user outside the group, as a trusted member and
     as the owner, and carry the forged worker's marker: every check on the
     process holds, only the file's owner or mode gives the forgery away."""
-    spool = _shared_spool(users, "forged")
+    spools = [(None, str(users.root_spool())), (users.owner, _shared_spool(users, "forged"))]
     worker, proc_start = "ghost.7.abcdef", _start_time(os.getpid())
     runs = {f"job-{user.name}": victims.start(user, _marker(worker, f"job-{user.name}"))
             for user in (users.out, users.web, users.owner)}
     owner, mode = FORGERIES[forgery](users)
     text = _registration(worker, proc_start, runs)
-    for out in _recover_as_everyone(users, spool, lambda: _plant(users, spool, f"{worker}.json", text, owner, mode)):
+    for out in _recover_as_everyone(users, spools, lambda spool: _plant(users, spool, f"{worker}.json", text, owner, mode)):
         assert victims.alive() == [True, True, True], out
 
 
 @pytest.mark.parametrize("registration_owner", ["root", "owner"])
 def test_a_believed_registration_gets_only_its_workers_processes_killed(users, victims, registration_owner):
-    """A registration the owner or root wrote (0640, one link) names
-    processes that are not its worker's: of another user (with the marker;
-    under root's registration any user may be its worker's, so without),
-    of the owner without the marker, of the owner with the marker but
-    started before the worker. None is killed."""
-    spool = _shared_spool(users, "believed")
-    worker, proc_start = "ghost.8.abcdef", _start_time(os.getpid())
+    """A registration the spool's owner wrote (0640, one link: root's in a
+    spool of root's) names processes that are not its worker's: of another
+    user (with the marker; under root's registration any user may be its
+    worker's, so without), of the owner without the marker, of the owner
+    with the marker but started before the worker. None is killed, by the
+    owner's sweep (nor, in the owner's spool, by root's, which is refused)."""
     owner = None if registration_owner == "root" else users.owner
+    spool = str(users.root_spool()) if owner is None else _shared_spool(users, "believed")
+    worker, proc_start = "ghost.8.abcdef", _start_time(os.getpid())
     others_env = {} if owner is None else None
     runs = {
         "job-out": victims.start(users.out, others_env if owner is None else _marker(worker, "job-out")),
@@ -153,7 +156,10 @@ def test_a_believed_registration_gets_only_its_workers_processes_killed(users, v
     _plant(users, spool, f"{early_worker}.json", _registration(early_worker, _start_time(early) + 1, {}), owner, 0o640)
     for user in (users.owner, None):
         proc = users.spoolq(user, "-s", spool, "sweep")
-        assert proc.returncode == 0 and "killed 0 processes" in proc.stdout, (user, proc.stdout, proc.stderr)
+        if user == owner:
+            assert proc.returncode == 0 and "killed 0 processes" in proc.stdout, (user, proc.stdout, proc.stderr)
+        else:
+            assert proc.returncode == 1 and proc.stderr.count("\n") == 1, (user, proc.stdout, proc.stderr)
     assert victims.alive() == [True, True, True, True]
 
 
@@ -182,14 +188,14 @@ def _run_job_and_kill_its_worker(users, spool: str, user, folder: Path) -> tuple
 def test_a_worker_killed_mid_job_has_what_its_job_left_killed_by_its_users_recovery(users):
     folder = users.folder("genuine", owner=users.owner)
     spool = _shared_spool(users, "genuine")
-    # Root runs (and so recovers) the owner's job files (what a root worker does with them is not the point here).
-    users.spoolq(users.owner, "-s", spool, "config", "set", "trusted_users", f"{users.web.name},{users.owner.name}")
     pids = _run_job_and_kill_its_worker(users, spool, users.owner, folder)
     try:
         # Root does not take the owner's word for which processes to kill:
-        # the job, whose run visibly goes on, stays in cur/ untouched.
+        # it sweeps no spool but root's, and the job stays in cur/ untouched.
         proc = users.spoolq(None, "-s", spool, "sweep")
-        assert "killed 0 processes" in proc.stdout and "left 1 jobs in cur/" in proc.stdout, proc.stdout + proc.stderr
+        assert proc.returncode == 1 and proc.stderr == (
+            f"spoolq: {spool} belongs to sqtowner: root sweeps only a spool root owns; run it as sqtowner "
+            f"(runuser -u sqtowner -- spoolq -s {spool} sweep), or make a spool of root's\n"), proc.stderr
         assert all(alive(pid) for pid in pids) and os.listdir(Path(spool) / "cur") == ["long.json"]
         proc = users.spoolq(users.owner, "-s", spool, "sweep")
         assert "recovered 1 to failed/" in proc.stdout and "killed 2 processes" in proc.stdout, proc.stdout + proc.stderr
@@ -204,14 +210,13 @@ def test_a_worker_killed_mid_job_has_what_its_job_left_killed_by_its_users_recov
 
 def test_a_root_worker_killed_mid_job_has_what_its_job_left_killed_by_roots_recovery(users):
     folder = users.folder("genuine-root")
-    spool = _shared_spool(users, "genuine-root")
+    spool = str(users.root_spool())
     pids = _run_job_and_kill_its_worker(users, spool, None, folder)
     try:
-        # The owner leaves a root worker's job to root: the job stays in cur/.
+        # A member may not sweep root's spool: the job stays in cur/.
         proc = users.spoolq(users.owner, "-s", spool, "sweep")
-        assert "left 1 jobs of a root worker in cur/" in proc.stdout and "recovered 0" in proc.stdout, \
-            proc.stdout + proc.stderr
-        assert all(alive(pid) for pid in pids)
+        assert proc.returncode == 1 and "may sweep it" in proc.stderr, proc.stdout + proc.stderr
+        assert all(alive(pid) for pid in pids) and os.listdir(Path(spool) / "cur") == ["long.json"]
         proc = users.spoolq(None, "-s", spool, "sweep")
         assert "recovered 1 to failed/" in proc.stdout and "killed 2 processes" in proc.stdout, proc.stdout + proc.stderr
         wait_for(lambda: not any(alive(pid) for pid in pids), what="the job's processes to die")
@@ -225,10 +230,8 @@ def test_another_users_process_with_a_dead_workers_marker_neither_dies_nor_holds
     """Anyone may start a process that carries a worker's marker (the
     registration tells the worker id): one of a user other than the
     registration's owner is not that worker's, so it is not signalled, and
-    the dead worker's job is recovered, not kept in cur/ as still running.
-    (Root's recovery: only root may read that process's environment.)"""
+    the dead worker's job is recovered, not kept in cur/ as still running."""
     spool = _shared_spool(users, "copied-marker")
-    users.spoolq(users.owner, "-s", spool, "config", "set", "trusted_users", f"{users.web.name},{users.owner.name}")
     proc = users.spoolq(users.owner, "-s", spool, "enqueue", "--id", "j", "true")
     assert proc.returncode == 0, proc.stderr
     os.rename(Path(spool) / "new" / "j.json", Path(spool) / "cur" / "j.json")  # claimed by the worker below
@@ -237,6 +240,6 @@ def test_another_users_process_with_a_dead_workers_marker_neither_dies_nor_holds
     text = json.loads(_registration(worker, _start_time(os.getpid()), {}))
     text["jobs"] = {"j": {"attempt": 1, "started_at": "2020-01-01T00:00:00Z"}}
     _plant(users, spool, f"{worker}.json", json.dumps(text), users.owner, 0o640)
-    proc = users.spoolq(None, "-s", spool, "sweep")
+    proc = users.spoolq(users.owner, "-s", spool, "sweep")
     assert "recovered 1 to failed/" in proc.stdout and "left" not in proc.stdout, proc.stdout + proc.stderr
     assert alive(copier)

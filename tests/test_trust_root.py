@@ -1,5 +1,6 @@
-"""A worker running as root runs each job as the owner of its file, and what
-a spool accepts can be limited (allow_commands, allowed_kinds)."""
+"""A worker running as root (on a spool of root's) runs each job as the user
+who enqueued it, and what a spool accepts can be limited (allow_commands,
+allowed_kinds)."""
 
 from __future__ import annotations
 
@@ -125,7 +126,7 @@ def test_a_file_of_a_uid_without_a_password_entry_goes_to_dead(users):
     assert _where(path, "ghost") == ["dead"]
     assert _show(users, path, "ghost")["error"] == (
         "owned by uid 4242, which has no entry in the password database; "
-        "a root worker runs each job as its file's owner")
+        "a root worker runs each job as the user who enqueued it")
     assert not ran.exists()
 
 
@@ -206,34 +207,3 @@ def test_allowed_kinds_limits_the_handler_jobs_that_run(fast_spool, tmp_path):
     s.work("--app", "kindsapp:HANDLERS", cwd=str(tmp_path))
     assert s.where("dropped") == ["dead"] and s.show("dropped")["error"] == message
     assert s.where(allowed) == ["done"] and s.where(command) == ["done"]
-
-
-def test_only_root_consents_to_root_handlers(users):
-    """The spool's owner may not let its own handler jobs run as root."""
-    path = str(users.folder("owned", owner=users.owner) / "spool")
-    _ok(users.spoolq(users.owner, "-s", path, "init", "--group", users.group))
-    app = users.folder("app")
-    (app / "rootapp.py").write_text(APP)
-    _ok(users.spoolq(users.owner, "-s", path, "config", "set", "root_handlers", "true"))
-    job_id = _enqueue(users, users.owner, path, "--kind", "who")
-    _work(users, path, "--app", "rootapp:HANDLERS", cwd=str(app))
-    assert _where(path, job_id) == ["dead"] and "unless root sets the root_handlers" in _show(users, path, job_id)["error"]
-    _ok(users.spoolq(None, "-s", path, "config", "set", "root_handlers", "true"))
-    _ok(users.spoolq(None, "-s", path, "retry", job_id))
-    _work(users, path, "--app", "rootapp:HANDLERS", cwd=str(app))
-    assert _where(path, job_id) == ["done"] and _show(users, path, job_id)["result"] == 0
-
-
-def test_the_owner_cannot_retry_a_root_workers_job_into_its_own(users):
-    path = str(users.folder("owned", owner=users.owner) / "spool")
-    _ok(users.spoolq(users.owner, "-s", path, "init", "--group", users.group))
-    _ok(users.spoolq(users.owner, "-s", path, "config", "set", "trusted_users", users.web.name))
-    job_id = _enqueue(users, users.web, path, "--max-attempts", "1", "id -un; exit 3")
-    _work(users, path)
-    assert _show(users, path, job_id)["state"] == "dead"
-    run = users.spoolq(users.owner, "-s", path, "retry", job_id)
-    assert run.returncode == 1 and run.stderr.count("\n") == 1, run.stderr
-    assert f"a root worker runs it as {users.web.name}" in run.stderr and "retry it as root" in run.stderr
-    _ok(users.spoolq(None, "-s", path, "retry", job_id))
-    _work(users, path)
-    assert _show(users, path, job_id)["stdout"] == f"{users.web.name}\n"

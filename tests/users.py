@@ -76,6 +76,19 @@ class Users:
             assert run.returncode == 0, run.stderr
         return spool
 
+    def root_spool(self, *settings: tuple[str, str]) -> Path:
+        """A shared spool of root's (fsync off), made as a service would
+        make one (root runs ``init --group`` in a folder of root's), in
+        which ``web`` is trusted; ``settings`` are (key, value) to set too.
+        Root runs workers only on a spool of root's."""
+        spool = self.folder("rootshared") / "spool"
+        for args in (["init", "--group", self.group], ["config", "set", "fsync", "false"],
+                     ["config", "set", "trusted_users", self.web.name],
+                     *(["config", "set", key, value] for key, value in settings)):
+            run = self.spoolq(None, "-s", str(spool), *args)
+            assert run.returncode == 0, run.stderr
+        return spool
+
     def env(self, user: User | None, extra: dict | None = None) -> dict:
         env = {k: v for k, v in os.environ.items() if not k.startswith("SPOOLQ_")}
         env["PYTHONPATH"] = str(self.lib)

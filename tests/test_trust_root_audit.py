@@ -1,0 +1,197 @@
+"""What root does with a spool, against the users who could have written
+what it holds (docs/design.md, "A worker running as root"): root runs
+workers and ``sweep`` only on a spool of root's; a job root runs as another
+user runs as the user who enqueued it, whoever rewrote its record since.
+``owner`` owns a spool of its own, ``web`` is a trusted member, ``evil`` an
+untrusted one, ``out`` an outsider."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from conftest import alive
+from test_trust_audit import STAGE
+from test_trust_recovery import _marker, _registration, _start_time, victims  # noqa: F401 - the victims fixture
+
+
+def _ok(proc):
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def _one_line_error(proc) -> str:
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and proc.stderr.startswith("spoolq: "), \
+        (proc.returncode, proc.stdout, proc.stderr)
+    return proc.stderr
+
+
+def _shared_folder(users, name: str) -> Path:
+    """A folder anyone may write a file into (sticky, as /tmp is)."""
+    folder = users.folder(name)
+    os.chmod(folder, 0o1777)
+    return folder
+
+
+def _show(users, spool, job_id: str) -> dict:
+    return json.loads(_ok(users.spoolq(None, "-s", str(spool), "show", job_id, "--json")))
+
+
+def test_root_runs_workers_and_sweeps_only_on_a_spool_of_roots(users):
+    """On another user's spool, root's ``work`` and ``sweep`` are refused
+    with one line naming the owner and the fix; the other commands root
+    may run there still work."""
+    spool = users.shared_spool()
+    job = _ok(users.spoolq(users.web, "-s", str(spool), "enqueue", "--in", "1h", "true", umask="027")).strip()
+    for command in ("work", "sweep"):
+        doing = "runs workers only on a spool" if command == "work" else "sweeps only a spool"
+        error = _one_line_error(users.spoolq(None, "-s", str(spool), command))
+        assert error == (f"spoolq: {spool} belongs to sqtowner: root {doing} root owns; run it as sqtowner "
+                         f"(runuser -u sqtowner -- spoolq -s {spool} {command}), or make a spool of root's\n")
+    assert os.listdir(spool / "workers") == []
+    assert (spool / "new" / f"{job}.json").exists()
+    # The owner's own worker runs there as before; root's other commands do too.
+    _ok(users.spoolq(users.owner, "-s", str(spool), "work"))
+    for args in (["status"], ["list"], ["show", job], ["config", "set", "max_attempts", "2"], ["compact"],
+                 ["cancel", job], ["retry", "--all"]):
+        _ok(users.spoolq(None, "-s", str(spool), *args))
+    assert _show(users, spool, job)["outcome"] == "cancelled"
+
+
+def test_no_file_a_non_root_user_writes_makes_root_run_anything_as_root(users):
+    """The spool's owner (in its own spool) or a member (in root's) plants
+    a job in cur/ with a staged outcome saying ``"run_as": 0`` and a command
+    of its choosing; root then sweeps, works, retries every dead job and
+    works again on each spool: nothing runs as uid 0."""
+    out = _shared_folder(users, "who")
+    script = users.folder("bin") / "stage.py"
+    script.write_text(STAGE)
+    os.chmod(script, 0o644)
+    # fsync on: root's rewrite of a record is a new file of root's, not the old one written in place.
+    owners = users.shared_spool()
+    for key, value in (("fsync", "true"), ("backoff_initial", "0")):
+        _ok(users.spoolq(users.owner, "-s", str(owners), "config", "set", key, value))
+    roots = users.root_spool(("backoff_initial", "0"), ("fsync", "true"))
+    for planter, spool in ((users.owner, owners), (users.web, roots), (users.evil, roots)):
+        _ok(users.sh(planter, f"{users.python} {script} {spool} x1-{planter.name} 'id -u >> {out}/who' 0", umask="027"))
+    for spool in (owners, roots):
+        for args in (["sweep"], ["work"], ["retry", "--all"], ["work"]):
+            users.spoolq(None, "-s", str(spool), *args)  # refused on the owner's spool
+    ran = (out / "who").read_text().split() if (out / "who").exists() else []
+    assert "0" not in ran, ran
+
+
+def _runs_as(users, spool, job_id: str) -> list[str]:
+    """The uids each run of ``job_id`` printed (its command is ``id -u``)."""
+    job = _show(users, spool, job_id)
+    return [line for line in (job.get("stdout") or "").split() if line.isdigit()]
+
+
+def test_a_members_job_runs_as_the_member_whatever_root_or_the_owner_does_with_it(users):
+    """Under a root worker a trusted member's job runs as that member: after
+    it died and root retried it (``retry ID``, ``retry --all``), after the
+    member put its own file in dead/ and root retried every dead job, and
+    after a file the member wrote into cur/ was swept by root. A file the
+    member put in dead/ of the owner's spool, retried by the owner, never
+    runs under a root worker as the owner (root runs no worker there)."""
+    spool = users.root_spool(("backoff_initial", "0"), ("max_attempts", "1"), ("fsync", "true"))
+    web = str(users.web.uid)
+    died = _ok(users.spoolq(users.web, "-s", str(spool), "enqueue", "--id", "died", "id -u; exit 3", umask="027")).strip()
+    _ok(users.spoolq(None, "-s", str(spool), "work"))
+    assert _show(users, spool, died)["state"] == "dead" and _runs_as(users, spool, died) == [web]
+    assert os.stat(spool / "dead" / "died.json").st_uid == 0  # root's record now (fsync on: a new file)
+    _ok(users.spoolq(None, "-s", str(spool), "retry", died))
+    _ok(users.spoolq(None, "-s", str(spool), "work"))
+    assert _runs_as(users, spool, died) == [web]
+    # The member's own file, moved to dead/ unchanged, and one written into cur/.
+    _ok(users.spoolq(users.web, "-s", str(spool), "enqueue", "--id", "moved", "--in", "1h", "id -u", umask="027"))
+    _ok(users.sh(users.web, f"mv {spool}/new/moved.json {spool}/dead/"))
+    # (max_attempts 2: recovery counts the run it finds cut short as one)
+    planted = json.dumps({"command": "id -u", "max_attempts": 2})
+    _ok(users.sh(users.web, f"printf '%s' '{planted}' > {spool}/cur/planted.json", umask="027"))
+    _ok(users.spoolq(None, "-s", str(spool), "retry", "--all"))
+    _ok(users.spoolq(None, "-s", str(spool), "sweep"))
+    _ok(users.spoolq(None, "-s", str(spool), "work"))
+    for job_id in ("died", "moved", "planted"):
+        assert _runs_as(users, spool, job_id) == [web], (job_id, _show(users, spool, job_id))
+    # The owner's spool: the owner's routine retry rewrites the member's file as the owner's.
+    owners = users.shared_spool()
+    out = _shared_folder(users, "runs")
+    _ok(users.spoolq(users.web, "-s", str(owners), "enqueue", "--id", "theirs", "--in", "1h",
+                     f"id -u >> {out}/runs", umask="027"))
+    _ok(users.sh(users.web, f"mv {owners}/new/theirs.json {owners}/dead/"))
+    _ok(users.spoolq(users.owner, "-s", str(owners), "retry", "--all"))
+    users.spoolq(None, "-s", str(owners), "work")  # refused
+    ran = (out / "runs").read_text().split() if (out / "runs").exists() else []
+    assert ran in ([], [web]), ran
+
+
+APP = (
+    "import os, sys\n"
+    "def who(payload):\n"
+    "    with open(payload, 'a') as f:\n"
+    "        f.write(f'{os.geteuid()}\\n')\n"
+    "HANDLERS = {'who': who}\n"
+)
+
+
+def test_root_handlers_set_by_anyone_but_root_never_runs_a_members_handler_job_as_root(users):
+    """The owner sets ``root_handlers`` in its own spool, and root then
+    changes another setting there (so config.json is root's, the owner's
+    choice kept): a member's handler job still never runs as root. In
+    root's spool a member cannot set it; root can, and only then do the
+    members' handler jobs run (as root, by root's consent)."""
+    app = users.folder("app")
+    (app / "rootapp.py").write_text(APP)
+    ran = _shared_folder(users, "handlers") / "ran"
+    owners = users.shared_spool()
+    _ok(users.spoolq(users.owner, "-s", str(owners), "config", "set", "root_handlers", "true"))
+    _ok(users.spoolq(None, "-s", str(owners), "config", "set", "max_attempts", "1"))
+    _ok(users.spoolq(users.web, "-s", str(owners), "enqueue", "--kind", "who", "--payload", json.dumps(str(ran)),
+                     umask="027"))
+    users.spoolq(None, "-s", str(owners), "work", "--app", "rootapp:HANDLERS", cwd=str(app))  # refused
+    assert not ran.exists() or "0" not in ran.read_text().split(), ran.read_text()
+    roots = users.root_spool(("max_attempts", "1"))
+    refused = _one_line_error(users.spoolq(users.web, "-s", str(roots), "config", "set", "root_handlers", "true"))
+    assert "who owns" in refused
+    job = _ok(users.spoolq(users.web, "-s", str(roots), "enqueue", "--kind", "who", "--payload", json.dumps(str(ran)),
+                           umask="027")).strip()
+    _ok(users.spoolq(None, "-s", str(roots), "work", "--app", "rootapp:HANDLERS", cwd=str(app)))
+    assert not ran.exists() or "0" not in ran.read_text().split(), ran.read_text()
+    assert _show(users, roots, job)["error"] == (
+        f"a handler job owned by sqtweb (uid {users.web.uid}): a root worker runs handlers as root, so it runs "
+        "only root's handler jobs unless root sets the root_handlers setting to true")
+    _ok(users.spoolq(None, "-s", str(roots), "config", "set", "root_handlers", "true"))
+    _ok(users.spoolq(None, "-s", str(roots), "retry", job))
+    _ok(users.spoolq(None, "-s", str(roots), "work", "--app", "rootapp:HANDLERS", cwd=str(app)))
+    assert _show(users, roots, job)["state"] == "done" and ran.read_text().split() == ["0"]
+
+
+def test_nothing_a_non_root_user_writes_makes_roots_sweep_signal_a_process(users, victims):
+    """An outsider's process carries a worker's marker. The owner gets root
+    to write a record shaped like that worker's registration (root cancels
+    the owner's job, whose fields say so) and moves it into workers/:
+    root's sweep kills nothing (it sweeps no spool but root's). In root's
+    spool members cannot put anything into workers/."""
+    worker = "ghost.11.abcdef"
+    victim = victims.start(users.out, _marker(worker, "j"))
+    registration = json.loads(_registration(worker, _start_time(os.getpid()), {"j": victim}))
+    owners = users.shared_spool()
+    _ok(users.spoolq(users.owner, "-s", str(owners), "config", "set", "fsync", "true"))  # root's rewrite: a new file
+    job = _ok(users.spoolq(users.owner, "-s", str(owners), "enqueue", "--in", "1h", "--json",
+                           json.dumps({"command": "true", **registration}))).strip()
+    _ok(users.spoolq(None, "-s", str(owners), "cancel", job))
+    assert os.stat(owners / "done" / f"{job}.json").st_uid == 0
+    _ok(users.sh(users.owner, f"mv {owners}/done/{job}.json {owners}/workers/{worker}.json"))
+    users.spoolq(None, "-s", str(owners), "sweep")  # refused
+    roots = users.root_spool()
+    planted = users.folder("planted", owner=users.web)
+    (planted / "reg.json").write_text(json.dumps(registration))
+    os.chown(planted / "reg.json", users.web.uid, users.gid)
+    for member in (users.web, users.evil):
+        assert users.sh(member, f"cp {planted}/reg.json {roots}/workers/{worker}.json").returncode != 0
+    assert users.sh(users.web, f"mv {planted}/reg.json {roots}/workers/{worker}.json").returncode != 0
+    assert os.listdir(roots / "workers") == []
+    _ok(users.spoolq(None, "-s", str(roots), "sweep"))
+    assert alive(victim)
