@@ -210,6 +210,11 @@ def home_of(user: Any) -> str:
     return home if home and os.path.isdir(home) else "/"
 
 
+# A command job's shell reads the command from the environment, which only
+# its own user and root may read, so ps shows no job's command to others.
+SHELL_COMMAND = 'eval "$SPOOLQ_COMMAND"'
+
+
 def _in_place(cwd: str) -> bool:
     """Whether ``cwd`` is the worker's own directory, so posix_spawn (which
     cannot change directory) may start the job."""
@@ -520,9 +525,9 @@ class _Exec:
 
     __slots__ = ("job", "env", "stdin")
 
-    def __init__(self, job: dict, env: dict[str, str]):
+    def __init__(self, job: dict, env: dict[str, str] | None):
         self.job = job
-        self.env = env
+        self.env = dict(os.environ) if env is None else env
         self.stdin: int | None = None
 
     def prepare(self, fds: list[int]) -> None:
@@ -534,17 +539,17 @@ class _Exec:
 
     def start(self, plan: RunPlan, outputs: tuple[int, int], out: Outcome) -> Any:
         """The started process (with .pid and .wait()), or None with why in ``out.error``."""
-        job = self.job
+        job, env = self.job, self.env
         if job.get("argv") is not None:
             argv = list(job["argv"])
         else:
-            # "--": a command starting with "-" is the command, not options to sh.
-            argv = ["/bin/sh", "-c", "--", job["command"]]
+            argv = ["/bin/sh", "-c", SHELL_COMMAND]
+            env["SPOOLQ_COMMAND"] = job["command"]
         try:
             stdin = self.stdin if self.stdin is not None else _stdin_devnull()
             home = default_cwd() if plan.user is None else home_of(plan.user)
             cwd = os.path.join(home, job["cwd"]) if job.get("cwd") else home
-            return _spawn(argv, self.env, cwd, (stdin, outputs[0], outputs[1]),
+            return _spawn(argv, env, cwd, (stdin, outputs[0], outputs[1]),
                           inheritable_fds() if plan.close is None else plan.close, plan.threaded, plan.user)
         except OSError as e:
             where = f": {e.filename}" if e.filename else ""

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 from pathlib import Path
 
-from conftest import alive
+from conftest import alive, wait_for
 from test_trust_audit import STAGE
 from test_trust_recovery import _marker, _registration, _start_time, victims  # noqa: F401 - the victims fixture
 
@@ -195,3 +196,27 @@ def test_nothing_a_non_root_user_writes_makes_roots_sweep_signal_a_process(users
     assert os.listdir(roots / "workers") == []
     _ok(users.spoolq(None, "-s", str(roots), "sweep"))
     assert alive(victim)
+
+
+def _cmdlines() -> str:
+    """Every process's argv, as ps shows it."""
+    return subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+
+
+def test_an_outsider_sees_no_running_jobs_command_in_ps(users):
+    """Under the owner's worker and under root's (which runs the job as the
+    member), ``ps`` run by an outsider shows the job's shell but not its
+    command."""
+    started = _shared_folder(users, "started")
+    for user, spool in ((users.owner, users.shared_spool()), (None, users.root_spool())):
+        flag = started / f"{user.name if user else 'root'}"
+        _ok(users.spoolq(users.web, "-s", str(spool), "enqueue", "--max-attempts", "1", "--timeout", "10",
+                         f"touch {flag}; sleep 300; echo secret-argument-{os.getpid()}", umask="027"))
+        worker = users.popen(user, "-s", str(spool), "work", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            wait_for(flag.exists, what="the job to start")
+            seen = _ok(users.sh(users.out, "ps -eo args"))
+            assert "sleep 300" in seen and f"secret-argument-{os.getpid()}" not in seen, seen
+            assert f"secret-argument-{os.getpid()}" not in _cmdlines()  # nor for root's ps
+        finally:
+            assert worker.wait(timeout=120) == 0  # the job timed out
