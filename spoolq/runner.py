@@ -203,16 +203,37 @@ def default_cwd() -> str:
     return _home
 
 
-def home_of(user: Any) -> str:
-    """Where a job run as ``user`` (a password entry) runs without a
-    ``cwd``: that user's home directory, or / when it has none."""
-    home = user.pw_dir
-    return home if home and os.path.isdir(home) else "/"
-
-
 # A command job's shell reads the command from the environment, which only
 # its own user and root may read, so ps shows no job's command to others.
 SHELL_COMMAND = 'eval "$SPOOLQ_COMMAND"'
+# A job run as another user changes to its folder only as that user: the
+# shell that does it is started after the worker has dropped to the user's
+# groups and ids. A folder the user cannot enter ends the run for good
+# (PERMANENT_EXIT): no later attempt runs as anyone else.
+CANNOT_ENTER = ("spoolq: cannot enter ", " (missing, not a folder, or no permission)")
+
+
+def as_user(job: dict, user: Any, env: dict[str, str]) -> list[str]:
+    """The argv that runs ``job`` as ``user`` (a password entry) by way of a
+    shell that first changes to the job's folder, as that user: its
+    ``cwd`` (a relative one from the user's home directory), else the home
+    directory, or / when the user cannot enter that. Sets SPOOLQ_CWD in
+    ``env`` for the shell, which unsets it (and the worker's folder, which
+    ``cd`` leaves in OLDPWD) before the job starts."""
+    import shlex
+
+    home = user.pw_dir or "/"
+    if job.get("cwd"):
+        env["SPOOLQ_CWD"] = os.path.join(home, job["cwd"])
+        said = shlex.quote(f"{CANNOT_ENTER[0]}%s as %s{CANNOT_ENTER[1]}\\n")
+        fail = f'{{ printf {said} "$SPOOLQ_CWD" {shlex.quote(user.pw_name)} >&2; exit {PERMANENT_EXIT}; }}'
+    else:
+        env["SPOOLQ_CWD"] = home
+        fail = "cd /"
+    cd = f'cd -- "$SPOOLQ_CWD" 2>/dev/null || {fail}; unset SPOOLQ_CWD OLDPWD; '
+    if job.get("argv") is not None:
+        return ["/bin/sh", "-c", cd + 'exec "$@"', "sh", *job["argv"]]
+    return ["/bin/sh", "-c", cd + SHELL_COMMAND]
 
 
 def _in_place(cwd: str) -> bool:
@@ -523,12 +544,13 @@ class _Exec:
     """How a command or argv job runs: exec'd (posix_spawn or Popen) in a
     new session, its payload on stdin from a memory file."""
 
-    __slots__ = ("job", "env", "stdin")
+    __slots__ = ("job", "env", "stdin", "stderr")
 
     def __init__(self, job: dict, env: dict[str, str] | None):
         self.job = job
         self.env = dict(os.environ) if env is None else env
         self.stdin: int | None = None
+        self.stderr: int | None = None  # a run as another user: its stderr, for why it could not start
 
     def prepare(self, fds: list[int]) -> None:
         if self.job.get("payload") is not None:
@@ -539,16 +561,18 @@ class _Exec:
 
     def start(self, plan: RunPlan, outputs: tuple[int, int], out: Outcome) -> Any:
         """The started process (with .pid and .wait()), or None with why in ``out.error``."""
-        job, env = self.job, self.env
-        if job.get("argv") is not None:
-            argv = list(job["argv"])
+        job, env, cwd = self.job, self.env, None
+        if job.get("command") is not None:
+            env["SPOOLQ_COMMAND"] = job["command"]  # (a string: the record's checks say so)
+        if plan.user is not None:
+            argv = as_user(job, plan.user, env)
+            self.stderr = outputs[1]
         else:
-            argv = ["/bin/sh", "-c", SHELL_COMMAND]
-            env["SPOOLQ_COMMAND"] = job["command"]
+            argv = list(job["argv"]) if job.get("argv") is not None else ["/bin/sh", "-c", SHELL_COMMAND]
+            home = default_cwd()
+            cwd = os.path.join(home, job["cwd"]) if job.get("cwd") else home
         try:
             stdin = self.stdin if self.stdin is not None else _stdin_devnull()
-            home = default_cwd() if plan.user is None else home_of(plan.user)
-            cwd = os.path.join(home, job["cwd"]) if job.get("cwd") else home
             return _spawn(argv, env, cwd, (stdin, outputs[0], outputs[1]),
                           inheritable_fds() if plan.close is None else plan.close, plan.threaded, plan.user)
         except OSError as e:
@@ -576,9 +600,19 @@ class _Exec:
             out.error = f"killed by {name}"
         elif code == PERMANENT_EXIT:
             out.permanent = True
-            out.error = f"exit status {code}: failed permanently"
+            out.error = self._cannot_enter() or f"exit status {code}: failed permanently"
         elif code != 0:
             out.error = f"exit status {code}"
+        return None
+
+    def _cannot_enter(self) -> str | None:
+        """Why a run as another user could not start: it could not enter
+        its folder (see as_user). None otherwise."""
+        if self.stderr is None:
+            return None
+        line = os.pread(self.stderr, 8192, 0).decode("utf-8", "replace").partition("\n")[0]
+        if line.startswith(CANNOT_ENTER[0]) and line.endswith(CANNOT_ENTER[1]):
+            return line.removeprefix("spoolq: ")
         return None
 
     def close(self) -> None:

@@ -90,15 +90,22 @@ def _run_as(job: dict) -> Any:
     return pwd.getpwuid(uid)
 
 
+#: The PATH of a job a root worker runs as another user (unless its env sets one).
+SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
+
+
 def job_env(base: dict[str, str], job: dict, attempt: int, spool: str, worker_id: str,
             user: Any = None) -> dict[str, str]:
-    """A command job's environment: the worker's; the home and shell
-    variables of ``user`` (a password entry) when a root worker runs it as
-    that user; the job's own ``env``; and spoolq's variables, last, since
-    recovery finds a run's processes by them."""
-    env = dict(base)
-    if user is not None:
-        env.update(HOME=user.pw_dir, USER=user.pw_name, LOGNAME=user.pw_name, SHELL=user.pw_shell or "/bin/sh")
+    """A command job's environment: the worker's, or, when a root worker
+    runs it as ``user`` (a password entry), none of root's: that user's
+    home and shell variables and a safe PATH; then the job's own ``env``;
+    and spoolq's variables, last, since recovery finds a run's processes
+    by them."""
+    if user is None:
+        env = dict(base)
+    else:
+        env = {"PATH": SAFE_PATH, "HOME": user.pw_dir, "USER": user.pw_name, "LOGNAME": user.pw_name,
+               "SHELL": user.pw_shell or "/bin/sh"}
     extra = job.get("env")
     if extra:
         env.update(extra)

@@ -1,9 +1,10 @@
 """What root does with a spool, against the users who could have written
 what it holds (docs/design.md, "A worker running as root"): root runs
 workers and ``sweep`` only on a spool of root's; a job root runs as another
-user runs as the user who enqueued it, whoever rewrote its record since.
-``owner`` owns a spool of its own, ``web`` is a trusted member, ``evil`` an
-untrusted one, ``out`` an outsider."""
+user runs as the user who enqueued it, whoever rewrote its record since,
+and what root does for it (changing folder, the environment) happens as
+that user. ``owner`` owns a spool of its own, ``web`` is a trusted member,
+``evil`` an untrusted one, ``out`` an outsider."""
 
 from __future__ import annotations
 
@@ -196,6 +197,49 @@ def test_nothing_a_non_root_user_writes_makes_roots_sweep_signal_a_process(users
     assert os.listdir(roots / "workers") == []
     _ok(users.spoolq(None, "-s", str(roots), "sweep"))
     assert alive(victim)
+
+
+def test_a_job_run_as_a_member_enters_its_folder_only_as_the_member(users):
+    """``--cwd`` of a folder only root may enter: the job never runs there
+    (it would read root's files as the member); it ends in dead/ at once,
+    saying why. A folder the member may enter works as before."""
+    secret = users.folder("secret")
+    os.chmod(secret, 0o700)
+    (secret / "secret.txt").write_text("root's secret\n")
+    mine = users.folder("mine", owner=users.web)
+    (mine / "mine.txt").write_text("the member's\n")
+    spool = users.root_spool()
+    denied = _ok(users.spoolq(users.web, "-s", str(spool), "enqueue", "--cwd", str(secret), "cat secret.txt",
+                              umask="027")).strip()
+    missing = _ok(users.spoolq(users.web, "-s", str(spool), "enqueue", "--cwd", str(secret / "nope"),
+                               "--argv", "--", "cat", "secret.txt", umask="027")).strip()
+    allowed = _ok(users.spoolq(users.web, "-s", str(spool), "enqueue", "--cwd", str(mine), "cat mine.txt; id -u",
+                               umask="027")).strip()
+    _ok(users.spoolq(None, "-s", str(spool), "work"))
+    for job_id, folder in ((denied, secret), (missing, secret / "nope")):
+        job = _show(users, spool, job_id)
+        assert job["state"] == "dead" and job["attempts"] == 1, job
+        assert job["error"] == f"cannot enter {folder} as sqtweb (missing, not a folder, or no permission)", job
+        assert "secret" not in (job.get("stdout") or "")
+    job = _show(users, spool, allowed)
+    assert job["state"] == "done" and job["stdout"] == f"the member's\n{users.web.uid}\n", job
+
+
+def test_a_job_run_as_a_member_gets_none_of_the_root_workers_environment(users):
+    spool = users.root_spool()
+    job = _ok(users.spoolq(users.web, "-s", str(spool), "enqueue", "--env", "MINE=kept", "env", umask="027")).strip()
+    roots = _ok(users.spoolq(None, "-s", str(spool), "enqueue", "env")).strip()
+    _ok(users.spoolq(None, "-s", str(spool), "work", env={"DB_PASSWORD": "hunter2"}))
+    env = dict(line.split("=", 1) for line in _show(users, spool, job)["stdout"].splitlines() if "=" in line)
+    assert "DB_PASSWORD" not in env, env
+    web = users.web
+    assert {k: env.get(k) for k in ("PATH", "HOME", "USER", "LOGNAME", "SHELL", "MINE")} == {
+        "PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": web.home, "USER": web.name, "LOGNAME": web.name,
+        "SHELL": "/bin/sh", "MINE": "kept"}, env
+    assert {k for k in env if k not in ("PATH", "HOME", "USER", "LOGNAME", "SHELL", "MINE", "PWD", "SHLVL", "_")} == {
+        "SPOOLQ_JOB_ID", "SPOOLQ_ATTEMPT", "SPOOLQ_SPOOL", "SPOOLQ_WORKER", "SPOOLQ_COMMAND"}, env
+    # Root's own jobs run in the worker's environment, as every worker's jobs do.
+    assert "DB_PASSWORD=hunter2" in _show(users, spool, roots)["stdout"]
 
 
 def _cmdlines() -> str:
