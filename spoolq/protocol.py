@@ -279,6 +279,7 @@ class SpoolDir:
                         fds[folder] = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
                     except FileNotFoundError:
                         if folder == "workers" and create:
+                            refuse_swappable_way(self.root)
                             os.mkdir(path, 0o700)
                             fds[folder] = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
                         elif folder == "workers":
@@ -1384,6 +1385,7 @@ def make_layout(path: str, group: str | None) -> list[tuple[str, int, int]]:
                 gid = grp.getgrgid(int(group)).gr_gid
             except (KeyError, ValueError):
                 raise NoSuchGroup(f"--group: no such group: {group!r}") from None
+    refuse_swappable_way(path)
     # A root given as a symlink (./spool -> /data/spool) is the folder it
     # names; from there on nothing is followed.
     root = os.path.realpath(path) if os.path.islink(path) else path
@@ -1493,17 +1495,45 @@ def _check_way_in(root: str, spool_owner: int) -> None:
     index.db and the folders are opened by path, so whoever may swap a
     folder on the way could point a worker at a spool of their own, or make
     it write there."""
-    trusted = {os.geteuid(), 0, spool_owner}
-    found = swappable(root, trusted)
+    _refuse_way(root, {os.geteuid(), 0, spool_owner})
+
+
+def _refuse_way(path: str, trusted: set[int]) -> None:
+    """Refuse (SpoolError) ``path`` if a user outside ``trusted`` could swap
+    a folder or symlink on the way to it (see owners.swappable)."""
+    found = swappable(path, trusted)
     if found is None:
         return
     way, st = found
     if st.st_uid not in trusted:
-        raise SpoolError(f"{root} is reached through {way}, which {user_name(st.st_uid)} owns and could "
+        raise SpoolError(f"{path} is reached through {way}, which {user_name(st.st_uid)} owns and could "
                          "swap; use a path through folders of yours, the spool's owner's or root's")
-    raise SpoolError(f"{root} is reached through {way}, which others can write (mode "
+    raise SpoolError(f"{path} is reached through {way}, which others can write (mode "
                      f"{stat.S_IMODE(st.st_mode):o}) and so swap; use a path through folders "
                      "only their owner can change")
+
+
+def refuse_swappable_way(path: str) -> None:
+    """Refuse (SpoolError) to make or change a spool at ``path`` that
+    someone else could point elsewhere, before anything is made or changed
+    (init often runs as root): ``path`` itself when it is a symlink not of
+    this user's or root's, or a folder or symlink on the way to it (see
+    owners.swappable) that a user other than this one, root or the owner
+    of the folder it names could change."""
+    me = os.geteuid()
+    try:
+        st = os.lstat(path)
+    except OSError:
+        st = None
+    if st is not None and stat.S_ISLNK(st.st_mode) and st.st_uid not in (me, 0):
+        raise SpoolError(f"{path} is a symlink of {user_name(st.st_uid)}, who could point it anywhere; "
+                         "use the folder it names, or a symlink of yours or root's")
+    trusted = {me, 0}
+    try:
+        trusted.add(os.stat(path).st_uid)  # an existing root folder: its owner's spool
+    except OSError:
+        pass
+    _refuse_way(path, trusted)
 
 
 def refuse_non_directory(path: str) -> None:

@@ -3,13 +3,15 @@ what it holds (docs/design.md, "A worker running as root"): root runs
 workers and ``sweep`` only on a spool of root's; a job root runs as another
 user runs as the user who enqueued it, whoever rewrote its record since,
 and what root does for it (changing folder, the environment) happens as
-that user. ``owner`` owns a spool of its own, ``web`` is a trusted member,
-``evil`` an untrusted one, ``out`` an outsider."""
+that user; a spool path someone else could swap is refused before
+anything is made. ``owner`` owns a spool of its own, ``web`` is a trusted
+member, ``evil`` an untrusted one, ``out`` an outsider."""
 
 from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 from pathlib import Path
 
@@ -264,3 +266,36 @@ def test_an_outsider_sees_no_running_jobs_command_in_ps(users):
             assert f"secret-argument-{os.getpid()}" not in _cmdlines()  # nor for root's ps
         finally:
             assert worker.wait(timeout=120) == 0  # the job timed out
+
+
+def _snapshot(path: Path) -> tuple:
+    st = os.stat(path)
+    return stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid, sorted(os.listdir(path))
+
+
+def test_a_spool_path_someone_else_could_swap_is_refused_before_anything_changes(users):
+    """Another user's symlink where root (or anyone) names a spool, and a
+    spool path inside another user's folder: ``init --group`` and
+    ``enqueue`` refuse it and change nothing at the link's target."""
+    target = users.folder("target")
+    (target / "kept").write_text("root's\n")
+    before = _snapshot(target)
+    evils = users.folder("evils", owner=users.evil)
+    sticky = _shared_folder(users, "sticky")
+    for folder in (evils, sticky):
+        _ok(users.sh(users.evil, f"ln -s {target} {folder}/spool"))
+        for args in (["init", "--group", users.group], ["enqueue", "true"]):
+            for user in (None, users.owner):
+                error = _one_line_error(users.spoolq(user, "-s", f"{folder}/spool", *args))
+                assert f"{folder}/spool is a symlink of sqtevil" in error or "sqtevil owns" in error, error
+                assert _snapshot(target) == before
+    # Inside a folder of another user's: nothing made there.
+    for args in (["init", "--group", users.group], ["enqueue", "true"]):
+        error = _one_line_error(users.spoolq(None, "-s", f"{evils}/made", *args))
+        assert f"is reached through {evils}, which sqtevil owns" in error, error
+        assert sorted(os.listdir(evils)) == ["spool"]
+    # A symlink of root's (or the caller's own) is the folder it names, as before.
+    mine = users.folder("mine")
+    os.symlink(target, mine / "spool")
+    _ok(users.spoolq(None, "-s", str(mine / "spool"), "init", "--group", users.group))
+    assert (target / "new").is_dir()
