@@ -133,7 +133,7 @@ def find_run_processes(worker_id: str, since: int, owner: int, run: tuple[str, i
     registration names can point the kill at an unrelated process:
 
     - its real uid is ``owner`` (the registration's owner), or the owner is
-      root: a root worker runs jobs as the users who own their files, so
+      root: a root worker runs jobs as the users who enqueued them, so
       under it only the two checks below tell its processes;
     - its environment carries ``SPOOLQ_WORKER=<worker_id>`` (and, for a
       ``run``, that run's ``SPOOLQ_JOB_ID``), which every job process inherits;
