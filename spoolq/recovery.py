@@ -31,6 +31,8 @@ class RecoveryReport:
     left_for_root: int = 0  # jobs a root worker left, which only root's recovery moves on (see _recover_held)
     workers: int = 0  # dead worker registrations cleared
     tmp_removed: int = 0  # stale tmp/ files removed (sweep)
+    picked_up: int = 0  # jobs taken in from drop/ (sweep of a shared spool)
+    dropped_dead: int = 0  # entries of drop/ moved to dead/ (sweep of a shared spool)
 
 
 def recover(ctx: Context) -> RecoveryReport:
@@ -96,7 +98,11 @@ def _hold_batch(ctx: Context, report: RecoveryReport, batch: int, tried: set[str
             held.append(sp.hold("cur", name))
         except (Busy, Gone, FileNotFoundError):
             continue
-        except (NotRegular, PermissionError):
+        except PermissionError:
+            # Only the owner's side writes into cur/: a record this user may
+            # not open is root's (its worker's), for root's recovery.
+            report.left_for_root += 1
+        except NotRegular:
             try:
                 sp.move_entry("cur", name, "dead")
                 report.quarantined += 1
