@@ -171,19 +171,34 @@ class Pickup:
         ids: set[str] = set()
         requests = []
         for name in chosen:
-            seen = self._known.get(name)
+            # Looked at again: the listing's is only for choosing (a name
+            # may have been given to another file since).
+            seen = self._look(name)
             if seen is None:
                 continue
             if name.endswith(REQUEST_SUFFIX) and stat.S_ISREG(seen.mode):
-                requests.append(name)
-            else:
+                requests.append((name, seen))
+                continue
+            try:
                 self._job(name, seen, jobs, ids, report)
+            except OSError as e:
+                self._stuck(name, seen, e)
         if jobs:
             self._copy(jobs, report)
-        for name in requests:
-            self._request(name, report)
+        for name, seen in requests:
+            try:
+                self._request(name, report)
+            except OSError as e:
+                self._stuck(name, seen, e)
         if report.dead:
             self.ctx.spool.sync_dir("dead")
+
+    def _stuck(self, name: str, seen: _Seen, error: OSError) -> None:
+        """One entry that could not be taken (a member's folder where its
+        reply goes, say): left and told, and the others go on."""
+        self._leave(name)
+        self._tell("stuck", seen.uid, f"cannot take {field('drop/' + name)} of {_who(seen.uid)}: "
+                                      f"{error.strerror or error}; it is left there")
 
     def _job(self, name: str, seen: _Seen, jobs: list, ids: set[str], report: PickupReport) -> None:
         """Check one dropped entry: to dead/, left, or added to ``jobs``

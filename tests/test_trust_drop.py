@@ -271,3 +271,35 @@ def test_the_readmes_member_drop_recipe_drops_a_job_the_owners_worker_takes_in(u
     assert os.listdir(spool / "drop") == []
     job = _show(users, users.owner, spool, dropped[:-5])
     assert (job["command"], job["run_as"]) == ("make report", users.web.uid), job
+
+
+def test_what_a_member_puts_in_the_drop_never_stops_the_pickup_of_others(users):
+    """Symlinks, FIFOs, folders (one where its own reply goes), files
+    with other names, malformed requests: each goes to dead/, is left, or
+    is refused, and the other users' jobs and requests go on."""
+    spool = users.shared_spool()
+    secret = users.folder("secret", owner=users.owner) / "secret.json"
+    secret.write_text('{"command": "echo secret"}')
+    os.chown(secret, users.owner.uid, users.owner.gid)
+    for user in (users.evil, users.web):
+        token = "ab" * 12
+        _ok(users.sh(user, f"""cd {spool}/drop &&
+            ln -s {secret} link.json && mkfifo fifo.json && mkdir folder.json &&
+            mkdir {token}.reply && printf '{{"request": "cancel", "id": "x"}}' > {token}.request &&
+            printf 'not json' > bad.request && printf '{{"request": "rm -rf"}}' > odd.request &&
+            ln {secret} hardlink.json 2>/dev/null; true""", umask="027"))
+        token_named = users.sh(user, f"ls -d {spool}/drop/{token}.reply")
+        assert token_named.returncode == 0
+        mine = _ok(users.spoolq(users.web, "-s", str(spool), "enqueue", "--in", "1h", "true")).strip()
+        run = users.spoolq(users.owner, "-s", str(spool), "work")
+        assert run.returncode == 0 and "Traceback" not in run.stderr and "pickup failed" not in run.stderr, run.stderr
+        assert (spool / "new" / f"{mine}.json").exists()
+        with watching(users, spool):
+            run = users.spoolq(users.web, "-s", str(spool), "cancel", mine)
+            assert (run.returncode, run.stdout) == (0, f"cancelled {mine}\n"), run.stderr
+        left = sorted(n for n in os.listdir(spool / "drop") if os.lstat(spool / "drop" / n).st_uid == user.uid)
+        assert set(left) <= {"folder.json", f"{token}.reply", f"{token}.request"}, left
+        for name in left:
+            _ok(users.sh(user, f"rm -rf {spool}/drop/{name}"))
+    assert secret.read_text() == '{"command": "echo secret"}'
+    assert not any("secret" in name for name in os.listdir(spool / "done"))
