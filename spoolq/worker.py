@@ -252,6 +252,7 @@ class Worker:
         self._later_ns: int | None = None
         self._later_logged: set[tuple[str, int]] = set()
         self._pickup_more = False  # the last pickup left entries of drop/ for the next pass
+        self._pickup_failures: set[str] = set()  # told once per run each (a full disk would fail every pass)
         self._next_compact_ran = 0
         self._next_compact_time = 0.0
         self._default_limits: tuple[int, Limits] | None = None
@@ -535,7 +536,10 @@ class Worker:
         try:
             report = self.store.pickup(self._pickup_line)
         except Exception as e:  # the dropped files stay where they are, for the next pass
-            self.log.line(f"worker={self.wid} pickup failed: {type(e).__name__}: {e}", 0)
+            said = f"{type(e).__name__}: {e}"
+            if said not in self._pickup_failures and len(self._pickup_failures) < 100:
+                self._pickup_failures.add(said)
+                self.log.line(f"worker={self.wid} pickup failed: {said} (the files stay in drop/; told once per run)", 0)
             return
         self._pickup_more = report.more
         if report.later_ns is not None and (self._later_ns is None or report.later_ns < self._later_ns):
