@@ -1,8 +1,9 @@
 """The ``spoolq`` command: parse arguments, call ``Spool``, print.
 
 Exit status: 0 success; 1 the request could not be done (unknown id,
-duplicate id, job not cancellable, disk errors); 2 usage or invalid input.
-Errors are one line on stderr.
+duplicate id, job not cancellable, disk errors); 2 usage or invalid input;
+75 a member's cancel or retry that no worker answered in time (it is
+carried out later). Errors are one line on stderr.
 """
 
 from __future__ import annotations
@@ -18,11 +19,14 @@ from typing import Any
 import click
 
 from . import output, record
-from .errors import JobNotFound, NotPossible
+from .errors import JobNotFound, NotPossible, RequestPending
 from .output import dumps, echo, fail, one_line
 from .spool import PartlyEnqueued, Spool, load_app
 
 STATE_CHOICE = click.Choice(["new", "cur", "failed", "dead", "done"])
+# A member's cancel or retry that no worker answered in time: it waits in
+# drop/ and is carried out later (EX_TEMPFAIL, as mail tools say "queued").
+PENDING = 75
 
 
 class Seconds(click.FloatRange):
@@ -147,13 +151,14 @@ def _existing(ctx: click.Context) -> Spool:
 
 
 @cli.command()
-@click.option("--group", help="Share the spool with this group: members enqueue and read (root 2750, state folders 3770, files 0640).")
+@click.option("--group", help="Share the spool with this group: members drop jobs into drop/ and read listings "
+                               "and the history (the owner must be in the group).")
 @click.pass_context
 def init(ctx, group):
-    """Create the spool layout (idempotent)."""
+    """Create the spool layout (idempotent); convert an older shared spool."""
     spool = _spool(ctx)
-    for path, old, new in spool.init(group=group):
-        echo(f"spoolq: set the mode of {one_line(path)} to {new:04o} (it was {old:04o})", err=True)
+    for change in spool.init(group=group):
+        echo(f"spoolq: {one_line(change)}", err=True)
     echo(spool.path)
 
 
@@ -439,12 +444,17 @@ def status(ctx, as_json, prometheus):
     if as_json:
         echo(json.dumps(counts))
         return
+    if counts.get("dropped") is not None:
+        echo(f"{'dropped':<8}{counts['dropped']:>10}  (in drop/, for a worker to pick up)")
     for state in ("new", "cur", "failed"):
         echo(f"{state:<8}{counts[state]:>10}{_abandoned(counts['abandoned']) if state == 'cur' else ''}")
     purged = f"  (and {counts['dead_purged']} purged into index.db)" if counts.get("dead_purged") else ""
     echo(f"{'dead':<8}{counts['dead']:>10}{purged}")
     echo(f"{'done':<8}{counts['done']:>10}  ({counts['done_files']} in done/, {counts['compacted']} compacted)")
     workers = counts["workers"]
+    if counts.get("workers_seen") is False:
+        echo(f"{'workers':<8}{'-':>10}  (seen by the spool's owner only)")
+        return
     echo(f"{'workers':<8}{len(workers):>10}")
     for w in workers:
         running = ", ".join(w.get("jobs") or {}) or "idle"
@@ -472,10 +482,13 @@ def _summary(job: dict[str, Any]) -> str:
     line = f"{job['state']:<7} {job['id']:<32} {when:<28} {attempts!s:>3}  {target}"
     if error:
         line += f"  [{error}]"
-    elif job.get("outcome") == "cancelled" or (job["state"] == "done" and "outcome" not in job):
+    elif job.get("outcome") == "cancelled" or (job["state"] == "done" and "outcome" not in job
+                                                and job.get("readable") is not False):
         line += "  [cancelled]"  # a done job is a success unless it says so (record.as_done)
     if job.get("abandoned"):
         line += f"  [{output.ABANDONED}]"
+    if job.get("readable") is False:
+        line += "  [record readable by the spool's owner only]"
     return one_line(line)
 
 
@@ -513,6 +526,8 @@ def cancel(ctx, job_id):
         spool.cancel(job_id, check=True, on_note=_note)
     except (JobNotFound, NotPossible) as e:
         fail(str(e), 1)
+    except RequestPending as e:
+        fail(str(e), PENDING)
     echo(f"cancelled {job_id}")
 
 
@@ -547,11 +562,15 @@ def _retry(ctx, job_ids, all_):
             echo(f"spoolq: {one_line(message)}", err=True)
             problems += 1
 
-        for jid in spool.retry_all(on_problem=report, on_note=_note):
-            echo(one_line(jid))
+        try:
+            for jid in spool.retry_all(on_problem=report, on_note=_note):
+                echo(one_line(jid))
+        except RequestPending as e:
+            fail(str(e), PENDING)
         if problems:
             sys.exit(1)
         return
+    pending = False
     for jid in job_ids:
         try:
             spool.retry(jid, check=True, on_note=_note)
@@ -559,8 +578,13 @@ def _retry(ctx, job_ids, all_):
         except (JobNotFound, NotPossible) as e:
             echo(f"spoolq: {one_line(str(e))}", err=True)
             problems += 1
+        except RequestPending as e:
+            echo(f"spoolq: {one_line(str(e))}", err=True)
+            pending = True
     if problems:
         sys.exit(1)
+    if pending:
+        sys.exit(PENDING)
 
 
 @cli.group(cls=SpoolGroup)
@@ -599,6 +623,8 @@ def sweep(ctx):
     if r.left_running:
         echo(f"left {r.left_running} jobs in cur/: their processes still run and are another user's to kill "
              "(the first sweep or worker start after those end recovers them)")
+    if r.picked_up or r.dropped_dead:
+        echo(f"picked up {r.picked_up} jobs from drop/, moved {r.dropped_dead} entries of drop/ to dead/")
 
 
 @cli.command()

@@ -40,6 +40,11 @@ class PartlyEnqueued(SpoolError):
         self.total = total
 
 
+class RequestPending(SpoolError):
+    """A member's request (cancel, retry) is waiting in drop/: no worker of
+    the spool's owner answered it in time. It is carried out when one runs."""
+
+
 class Busy(Exception):
     """The file is locked by someone else."""
 
@@ -88,6 +93,10 @@ class JobNotFound(LookupError):
 
 class NotPossible(Exception):
     """The job exists but the request does not apply to its state."""
+
+
+class NotYours(NotPossible):
+    """A member asked to cancel or retry a job another user enqueued."""
 
 
 class Permanent(Exception):

@@ -60,13 +60,14 @@ def renameat2() -> tuple[Any, Any] | None:
 
 def birth_ns(dir_fd: int, name: str) -> int:
     """When the file was created (statx's btime), in ns; 0 where the kernel,
-    C library or filesystem do not say."""
+    C library or filesystem do not say. An empty ``name`` means the file
+    ``dir_fd`` itself is open on."""
     func = _func("statx", ["c_int", "c_char_p", "c_int", "c_uint", "c_char_p"], "c_int")
     if not func:
         return 0
     buf = _ctypes.create_string_buffer(256)  # struct statx
-    # AT_SYMLINK_NOFOLLOW, STATX_BTIME; stx_mask at 0, stx_btime (s64 sec, u32 nsec) at 80
-    if func(dir_fd, os.fsencode(name), 0x100, 0x800, buf) != 0:
+    # AT_SYMLINK_NOFOLLOW (| AT_EMPTY_PATH), STATX_BTIME; stx_mask at 0, stx_btime (s64 sec, u32 nsec) at 80
+    if func(dir_fd, os.fsencode(name), 0x100 | (0x1000 if not name else 0), 0x800, buf) != 0:
         return 0
     raw = buf.raw
     if not int.from_bytes(raw[0:4], sys.byteorder) & 0x800:

@@ -58,14 +58,21 @@ SLOW_READ_NS = 40_000
 TMP_MAX_AGE = 36 * 3600  # Maildir's rule: a tmp/ file this old is abandoned.
 
 # The modes of a shared spool (init --group), as docs/design.md's trust
-# model states them: members read the root folder but cannot replace what
-# is in it (config.json, index.db); they make files in the state folders,
-# whose sticky bit stops them moving or removing files they do not own;
-# registrations are the owner's alone.
+# model states them. Members reach only the drop: they read the root folder
+# and the state folders' listings but create nothing there; they create
+# files in drop/, which they cannot list (so cannot open, hence cannot lock)
+# and whose sticky bit keeps them off each other's files. Every file the
+# owner's side locks is 0600, so no member can open it, hence none can lock
+# it. workers/ is the owner's alone (its flock is the cron recipe's lock).
 SHARED_ROOT = 0o2750
-SHARED_FOLDER = 0o3770
-SHARED_WORKERS = 0o2750
+SHARED_FOLDER = 0o2750
+SHARED_DROP = 0o3730
+WORKERS_MODE = 0o700
+SHARED_FILE = 0o640  # config.json, index.db, and the replies to members' requests
 OWNER_FILES = ("config.json", "index.db", "index.db-wal", "index.db-shm")
+DROP = "drop"
+REQUEST_SUFFIX = ".request"
+REPLY_SUFFIX = ".reply"
 
 
 
@@ -241,6 +248,12 @@ class SpoolDir:
         self._open_lock = threading.Lock()
         self.shared = False  # a group-shared spool (see SHARED_ROOT)
         self.owner = -1  # the uid that owns the root folder, once open
+        # This user is not the spool's owner: in a shared spool it drops
+        # jobs and requests into drop/ (a member; root too, on a spool it
+        # does not own) instead of writing in the owner's folders.
+        self.drops_in = False
+        self.member = False  # a member of a shared spool's group: neither its owner nor root
+        self.drops = DropBox(self)  # drop/: members' jobs and requests, the owner's pickup
         self.slow_reads = 0  # job reads that took longer than SLOW_READ_NS (see Held.read)
         self.syncs = GroupSync(self)  # deferred folder syncs and the spare files
         self.reasons = DeadReasons(self)  # why each file in dead/ is there
@@ -253,13 +266,16 @@ class SpoolDir:
     def exists(self) -> bool:
         return os.path.isdir(self.path("new"))
 
-    def init(self, group: str | None = None) -> list[tuple[str, int, int]]:
-        """Create the layout (idempotent). With ``group``, a shared spool.
-        Returns (path, old mode, new mode) for an existing root folder whose
-        mode it changed, for the caller to report."""
+    def init(self, group: str | None = None) -> list[str]:
+        """Create the layout (idempotent). With ``group``, a shared spool;
+        an older shared spool is converted (see convert_files). Returns
+        what it changed in an existing spool, a line each, for the caller
+        to report."""
         changed = make_layout(self.root, group)
         self._close_fds()
         self.open()
+        if self.shared:
+            changed += convert_files(self)
         return changed
 
     def open(self, create: bool = False) -> None:
@@ -271,40 +287,21 @@ class SpoolDir:
                 return
             if create and not self.exists():
                 make_layout(self.root, None)
-            fds = {}
+            fds: dict[str, int] = {}
             try:
-                for folder in FOLDERS:
-                    path = self.path(folder)
-                    try:
-                        fds[folder] = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-                    except FileNotFoundError:
-                        if folder == "workers" and create:
-                            refuse_swappable_way(self.root)
-                            os.mkdir(path, 0o700)
-                            fds[folder] = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-                        elif folder == "workers":
-                            continue
-                        elif not self.exists():
-                            raise NotASpool(self.root) from None
-                        else:
-                            raise SpoolError(f"{self.root} is not a spool (no {folder}/); run 'spoolq init'") from None
-                    except NotADirectoryError:
-                        if os.path.islink(path):
-                            raise SpoolError(f"{path} is a symlink; spool folders must be real directories") from None
-                        raise SpoolError(f"{path} is not a directory") from None
-                    except PermissionError as e:
-                        e.filename = path  # said as "permission denied: PATH", the folder to look at
-                        raise
-                    except OSError as e:
-                        if e.errno == errno.ELOOP:
-                            raise SpoolError(f"{path} is a symlink; spool folders must be real directories") from None
-                        raise SpoolError(f"cannot open {path}: {e.strerror}") from None
+                _open_folders(self.root, create, fds)
                 devs = {os.fstat(fd).st_dev for fd in fds.values()}
                 if len(devs) > 1:
                     raise SpoolError(f"the folders of {self.root} are on different filesystems; rename(2) needs one")
                 root_st = os.stat(self.root)
                 self.shared = bool(root_st.st_mode & stat.S_ISGID and root_st.st_mode & 0o070)
                 self.owner = root_st.st_uid
+                self.drops_in = self.shared and os.geteuid() != self.owner
+                self.member = self.drops_in and os.geteuid() != 0
+                if self.shared:
+                    fd = _open_drop(self.root, root_st)
+                    if fd is not None:
+                        fds[DROP] = fd
                 _check_ownership(self.root, root_st, {f: os.fstat(fd) for f, fd in fds.items()})
                 _check_way_in(self.root, root_st.st_uid)
             except BaseException:
@@ -375,9 +372,22 @@ class SpoolDir:
     def remove_stale_reasons(self) -> int:
         return self.reasons.remove_stale()
 
+    #: Every record, registration, spare and reason: only the file's owner
+    #: may open it (in a shared spool a member that could open a file could
+    #: lock it, and the owner's side relies on the locks of these files).
+    file_mode = 0o600
+
     @property
-    def file_mode(self) -> int:
-        return 0o640 if self.shared else 0o600  # only the file's owner writes it
+    def settings_mode(self) -> int:
+        """The mode of config.json: the group of a shared spool reads it."""
+        return SHARED_FILE if self.shared else 0o600
+
+    @property
+    def for_another(self) -> bool:
+        """Root working on a spool another user owns: the records it writes
+        there are given to that user, so every record in the owner's
+        folders is the owner's (see Held.rewrite)."""
+        return self.owner not in (0, -1) and os.geteuid() == 0
 
     def staged_records(self) -> dict[str, list[str]]:
         """The staged records in cur/ (see ``Held.stage``), by the name of
@@ -402,8 +412,9 @@ class SpoolDir:
 
     # -- enqueue -----------------------------------------------------------
 
-    def _write_tmp(self, name: str, data: bytes, mtime_ns: int | None) -> tuple[str, int]:
-        """Write ``data`` to a fresh file in tmp/; return its tmp name and open fd."""
+    def _write_tmp(self, name: str, data: bytes, mtime_ns: int | None, owner: int = -1) -> tuple[str, int]:
+        """Write ``data`` to a fresh file in tmp/ (given to the user ``owner``
+        unless -1); return its tmp name and open fd."""
         tmp = self.tmp_name(name)
         tmp_dir = self.fd("tmp")
         try:
@@ -415,7 +426,9 @@ class SpoolDir:
             raise
         try:
             if self.shared:
-                os.fchmod(fd, self.file_mode)  # the umask may have taken group bits away
+                os.fchmod(fd, self.file_mode)  # whatever the umask
+            if owner != -1:
+                os.fchown(fd, owner, -1)
             _write_all(fd, data)
             if mtime_ns is not None:
                 os.utime(fd, ns=(mtime_ns, mtime_ns))
@@ -1060,6 +1073,309 @@ class DeadReasons:
         return reason
 
 
+class DropBox:
+    """The drop folder of a shared spool (SpoolDir.drops), Postfix's
+    maildrop: members (and root, on a spool it does not own) create files
+    in it, each its own, and cannot list it; the owner's side lists it,
+    reads each file once without locking it (a member may open its own
+    file and lock it, so nothing here relies on a lock of one) and copies
+    what it accepts into new/ as records of its own."""
+
+    def __init__(self, spool: "SpoolDir"):
+        self.spool = spool
+
+    # -- a member's side ----------------------------------------------------
+
+    def put(self, items: list[tuple[str, bytes, int | None]]) -> list[str]:
+        """Drop files: each written under a dot-name (which the owner's side
+        ignores), readable by the group whatever the umask, its mtime the due
+        time; all made durable with one sync; each renamed to its name
+        without replacing (Exists if taken); then one more sync makes the
+        renames durable (a member may not open drop/ to fsync it). Returns
+        the names dropped; on an error the exception carries ``published``."""
+        sp = self.spool
+        dir_fd = sp.fd(DROP)
+        written: list[tuple[str, str, int]] = []
+        published: list[str] = []
+        try:
+            for name, data, mtime_ns in items:
+                tmp = "." + sp.tmp_name(name)
+                try:
+                    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                                 SHARED_FILE, dir_fd=dir_fd)
+                except PermissionError as e:
+                    e.filename = sp.path(DROP)
+                    raise
+                written.append((tmp, name, fd))
+                os.fchmod(fd, SHARED_FILE)
+                _write_all(fd, data)
+                if mtime_ns is not None:
+                    os.utime(fd, ns=(mtime_ns, mtime_ns))
+            if sp.fsync and written:
+                linux.syncfs(written[0][2])
+            for tmp, name, _fd in written:
+                rename_noreplace(dir_fd, tmp, dir_fd, name)
+                published.append(name)
+            if sp.fsync and published:
+                linux.syncfs(written[0][2])
+        except BaseException as e:
+            done = set(published)
+            for tmp, name, _fd in written:
+                if name not in done:
+                    _unlink_quietly(dir_fd, tmp)
+            e.published = published  # type: ignore[attr-defined]
+            raise
+        finally:
+            for _tmp, _name, fd in written:
+                os.close(fd)
+        return published
+
+    def request(self, data: bytes) -> str:
+        """Drop a request (``<token>.request``); returns its token, which
+        names the reply. The token is random: no member can guess
+        another's, and none can list drop/ to find one."""
+        token = os.urandom(12).hex()
+        self.put([(token + REQUEST_SUFFIX, data, None)])
+        return token
+
+    def reply(self, token: str) -> bytes | None:
+        """The reply to request ``token``, if the owner's side has written
+        one (a file another member made under the name is none)."""
+        try:
+            fd = os.open(token + REPLY_SUFFIX, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                         dir_fd=self.spool.fd(DROP))
+        except OSError:
+            return None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid not in (self.spool.owner, 0):
+                return None
+            return _read_upto(fd, 1 << 20, st.st_size)
+        finally:
+            os.close(fd)
+
+    # -- the owner's side ---------------------------------------------------
+
+    def lock(self) -> bool:
+        """Take the pickup lock (the drop folder's flock, which no member
+        can open, so none can take): one process of the owner's side picks
+        up at a time. False if another holds it."""
+        try:
+            fcntl.flock(self.spool.fd(DROP), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            return False
+
+    def unlock(self) -> None:
+        fcntl.flock(self.spool.fd(DROP), fcntl.LOCK_UN)
+
+    def names(self) -> list[str]:
+        """Every name in drop/, dot-names (files still being written) included."""
+        with os.scandir(self.spool.fd(DROP)) as it:
+            return [e.name for e in it]
+
+    def open(self, name: str) -> tuple[int, os.stat_result]:
+        """Open a dropped file to read it, without following a link or
+        blocking, and without locking it: (descriptor, its fstat). Raises
+        NotRegular for anything but a regular file."""
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=self.spool.fd(DROP))
+        except OSError as e:
+            if e.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
+                raise NotRegular("special file") from None
+            raise
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            raise NotRegular(kind_of(st.st_mode))
+        return fd, st
+
+    @staticmethod
+    def read(fd: int, limit: int, size: int) -> bytes:
+        """At most ``limit`` bytes of a dropped file opened by ``open``."""
+        return _read_upto(fd, limit, size)
+
+    @staticmethod
+    def identity(fd: int, st: os.stat_result) -> str:
+        """What tells a dropped file from any other given its name later:
+        inode, device and birth time (kept in the record as ``dropped``)."""
+        return f"{st.st_ino} {st.st_dev} {linux.birth_ns(fd, '')}"
+
+    def copy_in(self, records: list[tuple[str, bytes, int]]) -> list[bool]:
+        """Put records (name, bytes, due time) into new/ as new files of this
+        user: all written in tmp/, made durable with one sync, each renamed
+        into new/ without replacing, new/ synced once. Returns for each
+        whether it got its name (False: the name was taken meanwhile)."""
+        sp = self.spool
+        tmp_dir = sp.fd("tmp")
+        written: list[str] = []
+        placed: list[bool] = []
+        try:
+            for name, data, due_ns in records:
+                tmp, fd = sp._write_tmp(name, data, due_ns)
+                written.append(tmp)
+                _close_held(fd)
+            if sp.fsync and written:
+                linux.syncfs(tmp_dir)
+            new_dir = sp.fd("new")
+            for (name, _data, _due), tmp in zip(records, written):
+                try:
+                    rename_noreplace(tmp_dir, tmp, new_dir, name)
+                    placed.append(True)
+                except Exists:
+                    _unlink_quietly(tmp_dir, tmp)
+                    placed.append(False)
+        except BaseException:
+            for tmp in written[len(placed):]:
+                _unlink_quietly(tmp_dir, tmp)
+            raise
+        if any(placed):
+            sp.sync_dir("new")
+        return placed
+
+    def unlink(self, name: str) -> None:
+        """Remove a dropped file (the owner of drop/ may, sticky bit or not)."""
+        _unlink_quietly(self.spool.fd(DROP), name)
+
+    def to_dead(self, name: str, to_name: str | None = None) -> str:
+        """Move an entry of drop/ to dead/ as it is (one rename, not synced:
+        lost to a power cut, it is only looked at again). Returns its name
+        in dead/. PermissionError for a member's folder, which only a user
+        who may write the folder itself can move to another one."""
+        sp = self.spool
+        target = sp._free_name("dead", to_name or name)
+        while True:
+            try:
+                rename_noreplace(sp.fd(DROP), name, sp.fd("dead"), target)
+                return target
+            except Exists:
+                target = sp._free_name("dead", to_name or name, force_suffix=True)
+
+    def answer(self, token: str, data: bytes) -> None:
+        """Write the reply to request ``token``: a file of this user the
+        group may read, renamed into drop/ over whatever has its name."""
+        sp = self.spool
+        tmp, fd = sp._write_tmp("reply", data, None)
+        try:
+            os.fchmod(fd, SHARED_FILE)
+            os.rename(tmp, token + REPLY_SUFFIX, src_dir_fd=sp.fd("tmp"), dst_dir_fd=sp.fd(DROP))
+        except BaseException:
+            _unlink_quietly(sp.fd("tmp"), tmp)
+            raise
+        finally:
+            _close_held(fd)
+
+    def answered(self, token: str) -> bool:
+        """Whether this user has written the reply to request ``token``."""
+        try:
+            st = os.stat(token + REPLY_SUFFIX, dir_fd=self.spool.fd(DROP), follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid()
+
+    def remove_stale(self, older_than_s: float = TMP_MAX_AGE) -> int:
+        """Remove dot-files (drops never finished: their writer died) not
+        changed for ``older_than_s`` seconds."""
+        limit = time.time() - older_than_s
+        removed = 0
+        dir_fd = self.spool.fd(DROP)
+        for name in self.names():
+            if not name.startswith("."):
+                continue
+            try:
+                st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+                if not stat.S_ISDIR(st.st_mode) and max(st.st_mtime, st.st_atime) < limit:
+                    os.unlink(name, dir_fd=dir_fd)
+                    removed += 1
+            except OSError:
+                pass
+        return removed
+
+
+def convert_files(spool: SpoolDir) -> list[str]:
+    """Bring the files of a shared spool made by an older layout to the
+    trust model (docs/design.md, "Security"), through descriptors and
+    without following links: the owner's files (records, reasons, spares,
+    registrations) 0600; root's given to the owner when root runs this;
+    members' waiting jobs (new/, failed/, and cur/, whose workers were
+    stopped first) moved into drop/ for the owner's side to pick up again;
+    members' files in done/ moved to dead/; anything else of a member's
+    (in tmp/ or workers/, dot-files) removed. Returns what it did, a line
+    each (nothing for a spool that needs nothing)."""
+    me, owner = os.geteuid(), spool.owner
+    counts = dict.fromkeys(("tightened", "given", "left_root", "to_drop", "to_dead", "removed", "folders"), 0)
+    for folder in ("tmp",) + STATES + ("workers",):
+        if folder not in spool._fds:
+            continue
+        dir_fd = spool.fd(folder)
+        with os.scandir(dir_fd) as it:
+            names = [e.name for e in it]
+        for name in names:
+            try:
+                st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if st.st_uid in (owner, 0):
+                if stat.S_ISREG(st.st_mode) and (stat.S_IMODE(st.st_mode) != spool.file_mode or st.st_uid != owner):
+                    counts[_make_owners(dir_fd, name, owner, me)] += 1
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                counts["folders"] += 1  # only a user who may write a folder moves it to another: left
+                continue
+            try:
+                if name.startswith(".") or folder in ("tmp", "workers"):
+                    os.unlink(name, dir_fd=dir_fd)
+                    counts["removed"] += 1
+                elif folder in ("new", "failed", "cur") and stat.S_ISREG(st.st_mode):
+                    spool.move_entry(folder, name, DROP)
+                    counts["to_drop"] += 1
+                elif folder != "dead":
+                    spool.move_entry(folder, name, "dead")
+                    counts["to_dead"] += 1
+            except FileNotFoundError:
+                continue
+    name = user_name(owner)
+    said = {
+        "tightened": f"made {{}} of {name} readable by {name} alone (0600)",
+        "given": f"gave {{}} root wrote to {name} (0600)",
+        "left_root": f"left {{}} root wrote as they are: run this as root to give them to {name}",
+        "to_drop": "moved {} of members (waiting in new/, failed/ or cur/) into drop/, for a worker to pick up",
+        "to_dead": "moved {} of members from done/ to dead/",
+        "removed": "removed {} of members from tmp/ and workers/, and members' dot-files",
+        "folders": "left {} members made in the spool (remove them as root)",
+    }
+    return [said[key].format(_count(n, "folder" if key == "folders" else "job" if key == "to_drop" else "file"))
+            for key, n in counts.items() if n]
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}" + ("" if n == 1 else "s")
+
+
+def _make_owners(dir_fd: int, name: str, owner: int, me: int) -> str:
+    """Make the file ``name`` (the owner's or root's) the owner's, 0600;
+    which of convert_files' counts it adds to."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError:
+        return "left_root"
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return "tightened"
+        given = st.st_uid != owner
+        if given and me != 0:
+            return "left_root"
+        if given:
+            os.fchown(fd, owner, -1)
+        os.fchmod(fd, SpoolDir.file_mode)
+        return "given" if given else "tightened"
+    except PermissionError:
+        return "left_root"
+    finally:
+        os.close(fd)
+
+
 class Held:
     """A job file held under an exclusive flock by this process.
 
@@ -1099,7 +1415,7 @@ class Held:
             return None
         return now if (now.st_ino, now.st_dev) == (self.st.st_ino, self.st.st_dev) else None
 
-    def rewrite(self, data: bytes, durable: bool = True, mtime_ns: int | None = None) -> None:
+    def rewrite(self, data: bytes, durable: bool = True, mtime_ns: int | None = None, for_owner: bool = False) -> None:
         """Replace the file's content with ``data``, keeping the lock.
 
         With fsync off, a record that fits in one page is written in place:
@@ -1109,7 +1425,9 @@ class Held:
         old record or the new one. Otherwise (fsync on, large records, files
         we may not write): write a new file in tmp/, fsync it, lock it, and
         rename it over the old name, so a crash or power cut leaves one
-        whole record and the file is never unlocked."""
+        whole record and the file is never unlocked. ``for_owner``: a new
+        file root writes in a spool another user owns is that user's (see
+        SpoolDir.for_another)."""
         old_size = self.size
         sync = self.spool.fsync and durable
         if (
@@ -1130,7 +1448,7 @@ class Held:
             return
         # (With mtime_ns the new record and its mtime arrive in one rename.)
         tmp_dir = sp.fd("tmp")
-        tmp, fd = sp._write_tmp(self.name, data, mtime_ns)
+        tmp, fd = sp._write_tmp(self.name, data, mtime_ns, sp.owner if for_owner and sp.for_another else -1)
         try:
             if sync:
                 os.fsync(fd)
@@ -1367,30 +1685,25 @@ def _make_folder(name: str, mode: int, dir_fd: int | None, shown: str | None = N
         raise SpoolError(f"cannot open {shown}: {e.strerror}") from None
     return fd, created
 
-def make_layout(path: str, group: str | None) -> list[tuple[str, int, int]]:
+def make_layout(path: str, group: str | None) -> list[str]:
     """Make the folders of the spool at ``path`` and set their owner and
     modes through descriptors opened with O_NOFOLLOW: a member of the group
     who swaps a folder for a symlink between two calls gets a refusal,
     never a chown or chmod of the symlink's target (init often runs as
-    root). Returns (path, old mode, new mode) for an existing root folder
-    whose mode it changed."""
+    root). With ``group``, a shared spool, whose owner must be in the group
+    (it reads the jobs members drop through it): checked before anything
+    is made. Returns what it changed in an existing spool, a line each."""
     gid = -1
     if group is not None:
-        import grp
-
-        try:
-            gid = grp.getgrnam(group).gr_gid
-        except KeyError:
-            try:
-                gid = grp.getgrgid(int(group)).gr_gid
-            except (KeyError, ValueError):
-                raise NoSuchGroup(f"--group: no such group: {group!r}") from None
-    refuse_swappable_way(path)
+        gid = _group_id(group)
+    refuse_swappable_way(path)  # before anything is looked up through the path, made or changed
     # A root given as a symlink (./spool -> /data/spool) is the folder it
     # names; from there on nothing is followed.
     root = os.path.realpath(path) if os.path.islink(path) else path
     if not os.path.isdir(root):
         refuse_non_directory(path)  # a dangling symlink: nothing is made at its target
+    if group is not None:
+        _check_owner_in_group(root, group, gid)
     changed = []
     root_fd, created = _make_folder(root, 0o700 if group is None else SHARED_ROOT, None)
     try:
@@ -1399,6 +1712,8 @@ def make_layout(path: str, group: str | None) -> list[tuple[str, int, int]]:
         shared = group is not None or bool(old & stat.S_ISGID and old & 0o070)
         if shared:
             want = SHARED_ROOT  # a shared spool stays shared, with the modes of the trust model
+            if gid == -1:
+                gid = st.st_gid  # (init without --group keeps the group it has)
         else:
             want = 0o700 if created or old & 0o077 else old
         if group is not None:
@@ -1406,25 +1721,83 @@ def make_layout(path: str, group: str | None) -> list[tuple[str, int, int]]:
         if want != old or group is not None:
             os.fchmod(root_fd, want)  # after fchown, which may clear setgid
         if want != old and not created:
-            changed.append((path, old, want))
+            changed.append(f"set the mode of {path} to {want:04o} (it was {old:04o})")
         # Root making the layout in a folder another user owns makes it that user's spool.
         uid = st.st_uid if os.geteuid() == 0 and st.st_uid != 0 else -1
-        for folder in FOLDERS:
-            fmode = (SHARED_WORKERS if folder == "workers" else SHARED_FOLDER) if shared else 0o700
-            fd, made = _make_folder(folder, fmode, root_fd, os.path.join(root, folder))
+        was_spool = _is_dir(root_fd, "new")  # (an older spool, to convert: say what is made for it)
+        for folder in FOLDERS + ((DROP,) if shared else ()):
+            fmode = _folder_mode(folder, shared)
+            shown = os.path.join(root, folder)
+            fd, made = _make_folder(folder, fmode, root_fd, shown)
             try:
-                if group is not None or uid != -1:
+                before = stat.S_IMODE(os.fstat(fd).st_mode)
+                if group is not None or uid != -1 or (shared and made):
                     os.fchown(fd, uid, gid)
                 if shared or made:
                     os.fchmod(fd, fmode)
+                if made and was_spool:
+                    changed.append(f"made {shown}/ ({fmode:04o})" + (": members drop their jobs and requests there"
+                                                                    if folder == DROP else ""))
+                elif not made and shared and before != fmode:
+                    changed.append(f"set the mode of {shown}/ to {fmode:04o} (it was {before:04o})")
             finally:
                 os.close(fd)
         if shared:
             for name in OWNER_FILES:
-                _tighten_file(root_fd, name, 0o640, gid)
+                _tighten_file(root_fd, name, SHARED_FILE, gid)
     finally:
         os.close(root_fd)
     return changed
+
+
+def _is_dir(dir_fd: int, name: str) -> bool:
+    try:
+        return stat.S_ISDIR(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except FileNotFoundError:
+        return False
+
+
+def _folder_mode(folder: str, shared: bool) -> int:
+    if folder == "workers" or not shared:
+        return WORKERS_MODE if folder == "workers" else 0o700
+    return SHARED_DROP if folder == DROP else SHARED_FOLDER
+
+
+def _group_id(group: str) -> int:
+    import grp
+
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        try:
+            return grp.getgrgid(int(group)).gr_gid
+        except (KeyError, ValueError):
+            raise NoSuchGroup(f"--group: no such group: {group!r}") from None
+
+
+def _check_owner_in_group(root: str, group: str, gid: int) -> None:
+    """Refuse (SpoolError) a shared spool whose owner is not in its group:
+    the owner's workers read the jobs members drop through the group, and
+    would leave every one of them waiting."""
+    import grp
+    import pwd
+
+    try:
+        owner = os.stat(root).st_uid if os.path.isdir(root) else os.geteuid()
+    except OSError:
+        owner = os.geteuid()
+    if owner == 0:
+        return  # root reads every file
+    try:
+        user = pwd.getpwuid(owner)
+    except KeyError:
+        return  # no name to check membership by; the worker says so if it cannot read
+    if user.pw_gid == gid or user.pw_name in grp.getgrgid(gid).gr_mem:
+        return
+    name = grp.getgrgid(gid).gr_name
+    raise SpoolError(f"{user.pw_name}, who owns the spool {root}, is not in group {name}: its workers could not read "
+                     f"the jobs members drop; add it (usermod -aG {name} {user.pw_name}), then run this again "
+                     f"(and restart its workers)")
 
 
 def _tighten_file(root_fd: int, name: str, mode: int, gid: int) -> None:
@@ -1478,15 +1851,84 @@ def _check_ownership(root: str, root_st: os.stat_result, folders: dict[str, os.s
     if who:
         raise SpoolError(f"{root} is writable by its group (mode {stat.S_IMODE(mode):o}), so a member could replace "
                          f"its settings; {_fix_for(root, root_st)}")
+    if shared and DROP not in folders:
+        raise SpoolError(f"{root} is a shared spool of an older layout, in which members write into the owner's "
+                         f"folders; convert it: stop its workers, then {_fix_for(root, root_st)}")
     for folder, st in folders.items():
         path = os.path.join(root, folder)
         if st.st_uid not in (owner, 0):
             raise SpoolError(f"{path} belongs to {user_name(st.st_uid)}, not to the spool's owner "
                              f"{user_name(owner)}; {_fix_for(root, root_st)}")
+        mode = stat.S_IMODE(st.st_mode)
+        if folder == DROP:
+            # The one folder members write: each its own files (sticky), and
+            # none may list it, or it could open it, and so lock it.
+            if mode & 0o007 or mode & 0o070 != 0o030 or not mode & stat.S_ISVTX:
+                raise SpoolError(f"{path} has mode {mode:o}, not {SHARED_DROP:o}: members must be able to create "
+                                 f"files there and nothing more; {_fix_for(root, root_st)}")
+            continue
         who = writable_by_others(st)
-        if who == "every user" or (who and (folder == "workers" or not st.st_mode & stat.S_ISVTX)):
-            raise SpoolError(f"{path} is writable by {who} (mode {stat.S_IMODE(st.st_mode):o}), so one user could "
+        if who:
+            raise SpoolError(f"{path} is writable by {who} (mode {mode:o}), so one user could "
                              f"move or remove another's files; {_fix_for(root, root_st)}")
+        if shared and folder == "workers" and mode & 0o077:
+            raise SpoolError(f"{path} can be opened by others (mode {mode:o}), so a member could lock it; "
+                             f"{_fix_for(root, root_st)}")
+
+
+def _open_folders(root: str, create: bool, fds: dict[str, int]) -> None:
+    """Open the folders of the spool at ``root`` into ``fds`` (by name),
+    never through a symlink; workers/ is made if missing with ``create``,
+    and left out where this user may not open it (a member of a shared
+    spool: it is the owner's alone)."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    for folder in FOLDERS:
+        path = os.path.join(root, folder)
+        try:
+            fds[folder] = os.open(path, flags)
+        except FileNotFoundError:
+            if folder == "workers" and create:
+                refuse_swappable_way(root)
+                os.mkdir(path, WORKERS_MODE)
+                fds[folder] = os.open(path, flags)
+            elif folder == "workers":
+                continue
+            elif not os.path.isdir(os.path.join(root, "new")):
+                raise NotASpool(root) from None
+            else:
+                raise SpoolError(f"{root} is not a spool (no {folder}/); run 'spoolq init'") from None
+        except NotADirectoryError:
+            if os.path.islink(path):
+                raise SpoolError(f"{path} is a symlink; spool folders must be real directories") from None
+            raise SpoolError(f"{path} is not a directory") from None
+        except PermissionError as e:
+            if folder == "workers":
+                continue
+            e.filename = path  # said as "permission denied: PATH", the folder to look at
+            raise
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise SpoolError(f"{path} is a symlink; spool folders must be real directories") from None
+            raise SpoolError(f"cannot open {path}: {e.strerror}") from None
+
+
+def _open_drop(root: str, root_st: os.stat_result) -> int | None:
+    """A descriptor of a shared spool's drop/ (None if it has none). A
+    member may not read drop/ (so it cannot list it, nor open it, nor lock
+    it); it gets an O_PATH descriptor, enough to create and rename its own
+    files in it by name."""
+    path = os.path.join(root, DROP)
+    flags = os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        return os.open(path, os.O_RDONLY | flags)
+    except FileNotFoundError:
+        return None
+    except PermissionError:
+        return os.open(path, os.O_PATH | flags)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise SpoolError(f"{path} is a symlink; spool folders must be real directories") from None
+        raise SpoolError(f"cannot open {path}: {e.strerror}") from None
 
 
 def _check_way_in(root: str, spool_owner: int) -> None:

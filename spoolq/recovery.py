@@ -30,6 +30,8 @@ class RecoveryReport:
     left_running: int = 0  # jobs left in cur/: their runs' processes live on, not ours to kill
     workers: int = 0  # dead worker registrations cleared
     tmp_removed: int = 0  # stale tmp/ files removed (sweep)
+    picked_up: int = 0  # jobs taken in from drop/ (sweep of a shared spool)
+    dropped_dead: int = 0  # entries of drop/ moved to dead/ (sweep of a shared spool)
 
 
 def recover(ctx: Context) -> RecoveryReport:
@@ -97,6 +99,8 @@ def _hold_batch(ctx: Context, report: RecoveryReport, batch: int, tried: set[str
         except (Busy, Gone, FileNotFoundError):
             continue
         except (NotRegular, PermissionError):
+            # Only the owner's side (this user) writes into cur/: what it may
+            # not open is no record of its workers, and goes to dead/.
             try:
                 sp.move_entry("cur", name, "dead")
                 report.quarantined += 1

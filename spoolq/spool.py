@@ -15,10 +15,24 @@ import time
 from typing import Any, Callable, Mapping
 
 from . import config, record
-from .errors import DuplicateId, Exists, InvalidJob, NotRegular, PartlyEnqueued, SpoolError  # noqa: F401 - importable from here too
+from .errors import (  # noqa: F401 - importable from here too
+    DuplicateId,
+    Exists,
+    InvalidJob,
+    JobNotFound,
+    NotPossible,
+    NotRegular,
+    PartlyEnqueued,
+    RequestPending,
+    SpoolError,
+)
 from .owners import swappable, user_name
-from .protocol import SpoolDir, file_name, id_of, id_problem, new_id, refuse_non_directory
+from .protocol import DROP, STATES, SpoolDir, file_name, id_of, id_problem, new_id, refuse_non_directory
 from .views import Views
+
+#: Seconds a member's cancel or retry waits for a worker to answer its
+#: request (a watching worker answers within milliseconds).
+REQUEST_WAIT = 10.0
 
 
 class Spool(Views):
@@ -77,7 +91,7 @@ class Spool(Views):
         self.dir.require_owner("change its settings")
         stored = config.read_stored(self.path)
         stored[key] = checked
-        self.dir.replace_file(None, "config.json", config.dumps(stored))
+        self.dir.replace_file(None, "config.json", config.dumps(stored), self.dir.settings_mode)
         self._settings.loaded = False  # read again when next needed
         return checked
 
@@ -98,10 +112,11 @@ class Spool(Views):
 
     # -- layout ------------------------------------------------------------
 
-    def init(self, group: str | None = None) -> list[tuple[str, int, int]]:
-        """Create the layout (idempotent); ``group`` makes a shared spool.
-        Returns (path, old mode, new mode) of an existing root folder whose
-        loose mode it tightened."""
+    def init(self, group: str | None = None) -> list[str]:
+        """Create the layout (idempotent); ``group`` makes a shared spool
+        (refused, before anything is made, when the spool's owner is not in
+        that group) and converts one of an older layout. Returns what it
+        changed in an existing spool, a line each."""
         return self.dir.init(group=group)
 
     # -- enqueue -----------------------------------------------------------
@@ -143,7 +158,7 @@ class Spool(Views):
 
     def _check_unique(self, job_id: str) -> None:
         # A file dropped by hand may have the id as its whole name.
-        where = self.dir.find((file_name(job_id), job_id))
+        where = self.dir.find((file_name(job_id), job_id), STATES + ((DROP,) if self.dir.shared else ()))
         if where is not None:
             raise DuplicateId(f"id {job_id} is already in {where[0]}/")
         if self._index_has(job_id):
@@ -188,9 +203,12 @@ class Spool(Views):
         if fields.get("id") is not None:
             self._check_unique(job_id)
         try:
-            self.dir.publish(file_name(job_id), data, mtime_ns)
+            if self.dir.drops_in:  # a member: into drop/, for the owner's side to pick up
+                self.dir.drops.put([(file_name(job_id), data, mtime_ns)])
+            else:
+                self.dir.publish(file_name(job_id), data, mtime_ns)
         except Exists:
-            raise DuplicateId(f"id {job_id} is already in new/") from None
+            raise DuplicateId(f"id {job_id} is already in {DROP if self.dir.drops_in else 'new'}/") from None
         return job_id
 
     def enqueue_many(self, jobs: list[Mapping[str, Any]]) -> list[str]:
@@ -218,10 +236,11 @@ class Spool(Views):
             seen.add(job_id)
             items.append((file_name(job_id), data, mtime_ns))
         try:
-            names = self.dir.publish_many(items)
+            names = self.dir.drops.put(items) if self.dir.drops_in else self.dir.publish_many(items)
         except BaseException as e:
             published = [id_of(n) for n in getattr(e, "published", ())]
-            cause = f"id {id_of(str(e))} is already in new/" if isinstance(e, Exists) else _reason(e)
+            folder = DROP if self.dir.drops_in else "new"
+            cause = f"id {id_of(str(e))} is already in {folder}/" if isinstance(e, Exists) else _reason(e)
             if not published or not isinstance(e, Exception):
                 if isinstance(e, Exists):
                     raise DuplicateId(cause) from None
@@ -284,8 +303,8 @@ class Spool(Views):
         for state in ("done", "dead"):
             for name, st in self.dir.entries(state):
                 job = self._read_record(state, name, st)
-                if job.get("valid") is False:
-                    continue
+                if job.get("valid") is False or job.get("readable") is False:
+                    continue  # (a member counts only what it may read: the history, its own files)
                 finished = job.get("finished_at")
                 try:
                     finished_at = record.parse_time(finished) if finished else st.st_mtime
@@ -307,7 +326,10 @@ class Spool(Views):
 
         self._open()
         try:
-            transitions.cancel(self.context(), job_id, on_note)
+            if self.dir.member:
+                self._ask({"request": "cancel", "id": job_id}, on_note, f"cancel {job_id}")
+            else:
+                transitions.cancel(self.context(), job_id, on_note)
             return True
         except (transitions.JobNotFound, transitions.NotPossible):
             if check:
@@ -321,7 +343,10 @@ class Spool(Views):
 
         self._open()
         try:
-            transitions.retry(self.context(), job_id, on_note)
+            if self.dir.member:
+                self._ask({"request": "retry", "id": job_id}, on_note, f"retry {job_id}")
+            else:
+                transitions.retry(self.context(), job_id, on_note)
             return True
         except (transitions.JobNotFound, transitions.NotPossible):
             if check:
@@ -335,7 +360,51 @@ class Spool(Views):
         from . import transitions  # imported here: start-up speed (as in context())
 
         self._open()
+        if self.dir.member:
+            answer = self._ask({"request": "retry_all"}, on_note, "retry your dead jobs")
+            for problem in answer.get("problems") or ():
+                if on_problem:
+                    on_problem(str(problem))
+            return [str(job_id) for job_id in answer.get("ids") or ()]
         return transitions.retry_all(self.context(), on_problem, on_note)
+
+    def _ask(self, request: dict[str, Any], on_note: Callable[[str], None] | None, what: str,
+             wait: float = REQUEST_WAIT) -> dict[str, Any]:
+        """A member's request, carried out by the owner's side: dropped into
+        drop/, then its reply awaited for up to ``wait`` seconds (a watching
+        worker answers within milliseconds). Raises JobNotFound or
+        NotPossible as the owner's own command would, or RequestPending
+        when no worker answered in time (the request stays, and the next
+        worker carries it out)."""
+        import json
+
+        token = self.dir.drops.request(json.dumps(request).encode())
+        deadline = time.monotonic() + wait
+        pause = 0.002
+        while True:
+            data = self.dir.drops.reply(token)
+            if data is not None:
+                break
+            if time.monotonic() >= deadline:
+                raise RequestPending(f"no worker of {user_name(self.dir.owner)} answered within {wait:g}s; the "
+                                     f"request to {what} waits in {self.path}/drop/ and is carried out when one runs")
+            time.sleep(pause)
+            pause = min(pause * 1.5, 0.1)
+        try:
+            answer = json.loads(data)
+        except ValueError:
+            answer = None
+        if not isinstance(answer, dict):
+            raise SpoolError(f"the answer to the request to {what} is not one spoolq writes")
+        for note in answer.get("notes") or ():
+            if on_note:
+                on_note(str(note))
+        error = answer.get("error")
+        if error == "not_found":
+            raise JobNotFound(str(answer.get("message")))
+        if error:
+            raise NotPossible(str(answer.get("message")))
+        return answer
 
     def sweep(self):
         """The recovery step alone: return abandoned jobs from cur/ (killing
@@ -352,6 +421,12 @@ class Spool(Views):
         report.tmp_removed = self.dir.remove_tmp()
         self.dir.remove_stale_spares()
         self.dir.remove_stale_reasons()
+        if self.dir.shared:
+            from .pickup import Pickup  # imported here: start-up speed (as recovery)
+
+            picked = Pickup(self.context()).drain()
+            report.picked_up, report.dropped_dead = picked.picked, picked.dead
+            report.tmp_removed += self.dir.drops.remove_stale()
         return report
 
     # -- running -----------------------------------------------------------
@@ -489,8 +564,9 @@ def _require_runner(sp: SpoolDir, action: str, command: str) -> None:
         except OSError:
             return  # none yet: the one made next is this user's
     else:
-        sp.require_owner(action)
         owner = sp.owner
+        if os.geteuid() not in (owner, 0):
+            raise SpoolError(f"only {user_name(owner)}, who owns {sp.root}, may {action}")
     if os.geteuid() == 0 and owner != 0:
         import shlex
 

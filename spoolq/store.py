@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any, Callable, Protocol
 
 from . import recovery, transitions
+from .pickup import Pickup, PickupReport
 from .protocol import Entry, Scan
 from .registry import Registration
 from .runner import Outcome
@@ -28,6 +29,7 @@ WRITER_GRACE = transitions.WRITER_GRACE  # how long a file cut short in new/ is 
 OnQuarantine = Callable[[str, str], None]
 OnBusy = Callable[[], None]
 OnLater = Callable[[str, int], None]
+_NOTHING = PickupReport()
 
 
 class Store(Protocol):
@@ -41,6 +43,7 @@ class Store(Protocol):
     def register(self) -> Registration: ...
     def waker(self, poll: float | None, log: Any) -> Waker: ...
     def recover(self) -> tuple[recovery.RecoveryReport, int]: ...
+    def pickup(self, log: Callable[[str, int, Any], None]) -> PickupReport: ...
     def scan(self, now_ns: int, limit: int) -> Scan: ...
     def prefetch(self, entries: list[Entry]) -> None: ...
     def slow_reads(self) -> int: ...
@@ -71,6 +74,7 @@ class DirStore:
         self.dir = ctx.spool
         self.settings = ctx.settings
         self.root = ctx.spool.root
+        self._pickup: Pickup | None = None
 
     @property
     def durable(self) -> bool:
@@ -93,7 +97,18 @@ class DirStore:
         report = recovery.recover(self.ctx)
         removed = self.dir.remove_tmp()
         self.dir.remove_stale_spares()
+        if self.dir.shared:
+            removed += self.dir.drops.remove_stale()
         return report, removed
+
+    def pickup(self, log: Callable[[str, int, Any], None]) -> PickupReport:
+        """Take in what members dropped (a shared spool's drop/), a batch
+        per call; nothing to do in a private spool."""
+        if not self.dir.shared:
+            return _NOTHING
+        if self._pickup is None:
+            self._pickup = Pickup(self.ctx, log)
+        return self._pickup.run()
 
     def scan(self, now_ns: int, limit: int) -> Scan:
         return self.dir.scan(now_ns, limit)

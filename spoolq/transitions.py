@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from . import config, record
-from .errors import Busy, Exists, Gone, Incomplete, InvalidJob, JobNotFound, NotPossible, NotRegular  # noqa: F401 - JobNotFound, NotPossible: importable from here too
+from .errors import Busy, Exists, Gone, Incomplete, InvalidJob, JobNotFound, NotPossible, NotRegular, NotYours  # noqa: F401 - JobNotFound, NotPossible: importable from here too
 from .protocol import (
+    DROP,
     Entry,
     Held,
     SpoolDir,
@@ -138,47 +139,55 @@ def check(ctx: Context, st: os.stat_result, read: Callable[[int], bytes], name: 
 
 
 def _check_accepted(ctx: Context, st: os.stat_result, job: dict) -> None:
-    """Refuse what the settings refuse, and, as root, settle whose job this
-    is. A root worker runs a command as the user who enqueued it, the owner
-    of its file when first seen, and every record root rewrites becomes
-    root's, so root keeps that user in the record as ``run_as``: believed
-    only in a file root owns (a producer can write the field, but cannot
-    make root own its file), and set from the owner of any other file,
-    whatever that file says. Root stamps it in whatever spool it rewrites a
-    record in, so no record of root's runs as root unless root enqueued it."""
+    """Refuse what the settings refuse, and settle who enqueued the job
+    (``run_as``, see enqueuer), which never changes: it is kept in every
+    record the owner's side (or root) rewrites. Under a root worker the job
+    runs as that user; under any other worker as the worker's user, and
+    only if that user is trusted (checked at every claim, since
+    trusted_users can change)."""
     problem = config.refusal(ctx.settings, job)
     if problem:
         raise InvalidJob(problem)
-    if not ctx.as_root:
-        return
-    if st.st_uid != 0:
-        job["run_as"] = owner = st.st_uid
-    else:
-        owner = job.get("run_as", 0)
-        if not isinstance(owner, int) or isinstance(owner, bool) or owner < 0:
-            raise InvalidJob(f"run_as must be a uid (an integer >= 0), not {repr(owner)[:40]}")
-        if owner not in ctx.trusted_uids:
-            raise InvalidJob(
-                f"to run as untrusted user {user_name(owner)} (uid {owner}); "
-                "add it to the trusted_users setting to run its jobs"
-            )
-    if owner == 0 or ctx.spool.owner != 0:
+    who = enqueuer(ctx, st, job)
+    if st.st_uid != ctx.spool.owner:
+        # Rewritten by the owner's side (root's rewrite in another user's
+        # spool is that user's file) the record must still say who it is.
+        job["run_as"] = who
+    if who not in ctx.trusted_uids:
+        raise InvalidJob(f"enqueued by untrusted user {user_name(who)} (uid {who}); "
+                         "add it to the trusted_users setting to run its jobs")
+    if who == 0 or not ctx.as_root or ctx.spool.owner != 0:
         return  # what follows is a root worker's, and root runs workers only on a spool of its own
     if job.get("kind") is not None:
         # The setting is root's: only root writes the settings of root's spool.
         if not ctx.settings.get("root_handlers", False):
             raise InvalidJob(
-                f"a handler job owned by {user_name(owner)} (uid {owner}): a root worker runs handlers as root, "
+                f"a handler job owned by {user_name(who)} (uid {who}): a root worker runs handlers as root, "
                 "so it runs only root's handler jobs unless root sets the root_handlers setting to true"
             )
         return
     try:
-        pwd.getpwuid(owner)
+        pwd.getpwuid(who)
     except KeyError:
         raise InvalidJob(
-            f"owned by uid {owner}, which has no entry in the password database; "
+            f"owned by uid {who}, which has no entry in the password database; "
             "a root worker runs each job as the user who enqueued it"
         ) from None
+
+
+def enqueuer(ctx: Context, st: os.stat_result, job: dict) -> int:
+    """Who enqueued the job a file of ``st`` holds: the ``run_as`` of a
+    record the owner's side wrote (a file of the spool's owner's, or of
+    root's, which no one else can make), the file's owner when it has none;
+    the owner of any other file, whatever it says (a producer can write the
+    field, but cannot make the owner's side own its file). InvalidJob for a
+    run_as that is no uid."""
+    if st.st_uid not in (ctx.spool.owner, 0):
+        return st.st_uid
+    who = job.get("run_as", st.st_uid)
+    if not isinstance(who, int) or isinstance(who, bool) or who < 0:
+        raise InvalidJob(f"run_as must be a uid (an integer >= 0), not {repr(who)[:40]}")
+    return who
 
 
 def dead_reason(ctx: Context, folder: str, name: str) -> str | None:
@@ -523,6 +532,13 @@ def _find_held(ctx: Context, job_id: str, states: tuple[str, ...]) -> Held | Non
                     return ctx.spool.hold(state, name)
                 except (FileNotFoundError, Gone, NotRegular):
                     continue
+                except PermissionError:
+                    try:
+                        whose = user_name(ctx.spool.lstat(state, name).st_uid)
+                    except FileNotFoundError:
+                        continue
+                    raise NotPossible(f"{state}/{name} belongs to {whose}, and {user_name(os.geteuid())} may not "
+                                      f"open it; do this as {whose}") from None
     return None
 
 
@@ -533,11 +549,13 @@ def locate(ctx: Context, job_id: str) -> tuple[str, str] | None:
     return ctx.spool.find((file_name(job_id), job_id))
 
 
-def cancel(ctx: Context, job_id: str, on_note: Callable[[str], None] | None = None) -> None:
+def cancel(ctx: Context, job_id: str, on_note: Callable[[str], None] | None = None, requester: int | None = None) -> None:
     """A waiting job (new/ or failed/) goes to done/ with outcome cancelled.
     Raises JobNotFound, or NotPossible for a running or finished job.
     ``on_note(message)`` hears of a record that could not be rewritten
-    after the move (a full disk): the job is cancelled all the same."""
+    after the move (a full disk): the job is cancelled all the same.
+    ``requester``: the member (a uid) whose request this carries out; it
+    may cancel only a job it enqueued (NotYours otherwise)."""
     # A waiting file is locked only for a moment: while a worker claims it
     # (then it is in cur/ and running) or prepares it ahead of the job it is
     # running (then it is let go within LOOK_AHEAD_HOLD). Wait that out.
@@ -561,6 +579,7 @@ def cancel(ctx: Context, job_id: str, on_note: Callable[[str], None] | None = No
             raise NotPossible(f"job {job_id} is running; it cannot be cancelled")
         raise NotPossible(f"job {job_id} is in {state}/, not waiting; nothing to cancel")
     try:
+        _check_requester(ctx, held, job_id, requester, "cancel")
         try:
             job = check(ctx, held.st, held.read, held.name)
         except InvalidJob as e:
@@ -585,10 +604,10 @@ def cancel(ctx: Context, job_id: str, on_note: Callable[[str], None] | None = No
         held.release()
 
 
-def retry(ctx: Context, job_id: str, on_note: Callable[[str], None] | None = None) -> None:
+def retry(ctx: Context, job_id: str, on_note: Callable[[str], None] | None = None, requester: int | None = None) -> None:
     """A dead job back to new/, due now, with a fresh round of attempts
     (its history is kept). Raises JobNotFound or NotPossible. ``on_note``
-    as for ``cancel``."""
+    and ``requester`` as for ``cancel``."""
     if id_problem(job_id) and listed_names(job_id):
         # A file `list` shows under a name that is no valid id: say how to name it.
         where = ctx.spool.find(listed_names(job_id))
@@ -614,9 +633,35 @@ def retry(ctx: Context, job_id: str, on_note: Callable[[str], None] | None = Non
             raise NotPossible(f"job {job_id} is moving (it just reached dead/); try again")
         raise NotPossible(f"job {job_id} is in {where[0]}/, not dead/")
     try:
+        _check_requester(ctx, held, job_id, requester, "retry")
         _retry_held(ctx, held, on_note)
     finally:
         held.release()
+
+
+def _check_requester(ctx: Context, held: Held, job_id: str, requester: int | None, what: str) -> None:
+    """Refuse (NotYours) a member's request for a job another user
+    enqueued: the user a record the owner's side wrote names in run_as
+    (its own when none), or the owner of any other file."""
+    if requester is None:
+        return
+    who = _record_user(ctx, held)
+    if who != requester:
+        raise NotYours(f"job {job_id} was enqueued by {user_name(who)}, not by {user_name(requester)}: "
+                       f"a member may {what} only its own jobs")
+
+
+def _record_user(ctx: Context, held: Held) -> int:
+    """Who enqueued the job a held file is (see enqueuer); the file's owner
+    when its record cannot be read."""
+    st = held.st
+    if st.st_uid not in (ctx.spool.owner, 0):
+        return st.st_uid
+    limit = int(ctx.settings["max_job_bytes"])
+    try:
+        return enqueuer(ctx, st, record.parse_sized(held.read(record.read_size(limit)), id_of(held.name), limit))
+    except (InvalidJob, OSError):
+        return st.st_uid
 
 
 def _not_a_job_to_retry(name: str) -> str:
@@ -653,6 +698,17 @@ def _retry_held(ctx: Context, held: Held, on_note: Callable[[str], None] | None)
     elsewhere = ctx.spool.find((target,), ("new", "cur", "failed", "done"))
     if elsewhere:
         raise NotPossible(f"a job {id_of(target)} is already in {elsewhere[0]}/; the dead job stays in dead/")
+    if ctx.spool.shared and held.st.st_uid not in (ctx.spool.owner, 0):
+        # A member's own file, as it dropped it (it went to dead/ unread, or
+        # invalid): back into drop/, to be picked up again, so that every
+        # record in the owner's folders is the owner's side's.
+        try:
+            held.move(DROP, target, keep_name=True)
+        except Exists:
+            raise NotPossible(f"a job {id_of(target)} waits in drop/ already; the dead job stays in dead/") from None
+        except FileNotFoundError:
+            raise NotPossible(f"dead/{held.name} was moved away meanwhile (by hand?); it was not retried") from None
+        return
     # Moved first, rewritten after: a refused move leaves the dead file as it
     # was, and a crash in between leaves it in new/ still marked dead, which
     # a claim takes as a fresh round (as for `mv dead/x.json new/`). Locked
@@ -679,9 +735,10 @@ def _rewrite_after_move(ctx: Context, held: Held, data: bytes, folder: str, on_n
     """The rewrite that follows the move of a cancel or a retry. The move
     was the change itself, so an error now (a full disk) does not undo it:
     the record stays as it was, which reads right (``meaning``), and
-    ``on_note`` hears of it rather than the caller being told it failed."""
+    ``on_note`` hears of it rather than the caller being told it failed.
+    Root's rewrite in a spool another user owns is that user's file."""
     try:
-        held.rewrite(data)
+        held.rewrite(data, for_owner=True)
         ctx.spool.sync_dir(folder)  # the rewrite's rename (fsync on) as durable as the move was
     except OSError as e:
         if on_note:
@@ -689,10 +746,11 @@ def _rewrite_after_move(ctx: Context, held: Held, data: bytes, folder: str, on_n
 
 
 def retry_all(ctx: Context, on_problem: Callable[[str], None] | None = None,
-              on_note: Callable[[str], None] | None = None) -> list[str]:
+              on_note: Callable[[str], None] | None = None, requester: int | None = None) -> list[str]:
     """Every dead job back to new/; returns the ids moved. A job that
     cannot go is left in dead/ unchanged, and ``on_problem(message)`` says
-    why; ``on_note`` as for ``cancel``."""
+    why; ``on_note`` as for ``cancel``. With ``requester`` (a member's
+    request), only the jobs that member enqueued."""
     moved = []
     for name in sorted(ctx.spool.names("dead")):
         try:
@@ -707,9 +765,12 @@ def retry_all(ctx: Context, on_problem: Callable[[str], None] | None = None,
             problem = f"dead/{name} cannot be opened: {e.strerror}"
         else:
             try:
+                _check_requester(ctx, held, id_of(name), requester, "retry")
                 _retry_held(ctx, held, on_note)
                 moved.append(id_of(name))
                 continue
+            except NotYours:
+                continue  # another user's: not this member's business
             except NotPossible as e:
                 problem = str(e)
             except OSError as e:  # e.g. new/ cannot grow on a full disk: the others may still go

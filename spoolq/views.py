@@ -13,7 +13,8 @@ from typing import Any, Callable, Iterator
 
 from . import record
 from .errors import InvalidJob, NotRegular
-from .protocol import STATES, file_name, id_of, id_problem, listed_names
+from .owners import user_name
+from .protocol import DROP, REPLY_SUFFIX, STATES, file_name, id_of, id_problem, listed_names
 
 
 class Views:
@@ -27,6 +28,10 @@ class Views:
         try:
             data, st = self.dir.read(state, name, record.read_size(limit))
             job = record.parse_sized(data, job_id, limit)
+        except PermissionError:
+            if self.dir.member:
+                return self._listed(state, name, st)
+            job = None
         except (InvalidJob, NotRegular, OSError):
             job = None
         if job is None or (state == "dead" and job.get("error") is None):
@@ -53,6 +58,25 @@ class Views:
                 job["due_at"] = record.rfc3339(st.st_mtime)
         return job
 
+    def _listed(self, state: str, name: str, st: os.stat_result | None = None) -> dict[str, Any]:
+        """What the listing tells of a file whose record this user may not
+        read (a member, of a record of the owner's side): its id, state and
+        times, and whose the record is. Never called invalid: it is not."""
+        if st is None:
+            st = self.dir.lstat(state, name)
+        job: dict[str, Any] = {"id": id_of(name), "state": "dropped" if state == DROP else state,
+                               "file": os.path.join(self.path, state, name), "mtime": record.rfc3339(st.st_mtime)}
+        if state in ("new", "failed"):
+            job["due_at"] = job["mtime"]
+        job["readable"] = False
+        owner = user_name(self.dir.owner)
+        if state == DROP:
+            job["note"] = f"waiting in drop/ for a worker of {owner}, the spool's owner, to pick it up"
+        else:
+            job["note"] = (f"the record is readable by {owner}, the spool's owner, only; "
+                           "it is shown whole once it is in the history (compacted into index.db)")
+        return job
+
     def get(self, job_id: str) -> dict[str, Any] | None:
         """The job's record as a dict with ``state`` set from where it is
         (``new``, ``cur``, ``failed``, ``dead``, ``done``), compacted jobs
@@ -71,13 +95,21 @@ class Views:
                 job = self._read_record(state, name)
             except FileNotFoundError:
                 continue
-            if state == "cur":
+            if state == "cur" and not self.dir.member:
                 from .registry import live_workers  # imported here: start-up speed (only a job in cur/ needs it)
 
                 for w in live_workers(self.dir):
                     if job_id in (w.get("jobs") or {}):
                         job["worker"] = w.get("worker")
             return job
+        if self.dir.shared:
+            where = self.dir.find(names, (DROP,))
+            if where is not None:
+                try:
+                    return self._listed(DROP, where[1])
+                except FileNotFoundError:
+                    pass  # picked up meanwhile: in new/ now, or further
+                return self.get(job_id) if not named else None
         index = self.index() if not named else None
         if index is not None:
             return index.get(job_id)
@@ -106,10 +138,16 @@ class Views:
                       compacted=compacted, dead_purged=purged)
         from .registry import live_workers  # imported here: start-up speed (as in get())
 
+        if self.dir.shared and not self.dir.member:
+            counts["dropped"] = sum(1 for name in self.dir.drops.names()
+                                    if name[0] != "." and not name.endswith(REPLY_SUFFIX))
         counts["abandoned"] = sum(self.dir.is_locked("cur", name) is False for name in self.dir.names("cur"))
-        counts["workers"] = [
+        # Registrations are the owner's alone: a member sees no workers.
+        counts["workers"] = [] if self.dir.member else [
             {k: w.get(k) for k in ("worker", "host", "pid", "started_at", "jobs")} for w in live_workers(self.dir, on_problem)
         ]
+        if self.dir.member:
+            counts["workers_seen"] = False
         return counts
 
     def list(

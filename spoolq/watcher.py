@@ -71,7 +71,9 @@ class InotifyWaker(Waker):
         self._unavailable = False
         self._overflow_handler = _Overflow(self)
         self._lock = threading.Lock()
-        self._paths = tuple(os.path.join(spool.root, f) + os.sep for f in WAKING_FOLDERS)
+        # In a shared spool drop/ too: a member's job is picked up at once.
+        self._folders = WAKING_FOLDERS + (("drop",) if spool.shared else ())
+        self._paths = tuple(os.path.join(spool.root, f) + os.sep for f in self._folders)
 
     def _identity_now(self) -> tuple[int, int] | None:
         try:
@@ -107,7 +109,7 @@ class InotifyWaker(Waker):
                     observer.schedule(Handler(), self.spool.root, recursive=True,
                                       event_filter=[FileCreatedEvent, FileMovedEvent])
                 else:
-                    for folder in WAKING_FOLDERS:
+                    for folder in self._folders:
                         observer.schedule(Handler(), os.path.join(self.spool.root, folder), recursive=False,
                                           event_filter=[FileCreatedEvent, FileMovedEvent])
                 observer.start()

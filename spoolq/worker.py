@@ -258,6 +258,8 @@ class Worker:
         # come to say so. And the (name, time) already logged, to log each once.
         self._later_ns: int | None = None
         self._later_logged: set[tuple[str, int]] = set()
+        self._pickup_more = False  # the last pickup left entries of drop/ for the next pass
+        self._pickup_failures: set[str] = set()  # told once per run each (a full disk would fail every pass)
         self._next_compact_ran = 0
         self._next_compact_time = 0.0
         self._default_limits: tuple[int, Limits] | None = None
@@ -488,7 +490,7 @@ class Worker:
         self.strategy.idle()  # before pausing, compacting or scanning
         if self._pass_claims:
             self._busy_rounds = 0
-        if not first and self._pass_claims == 0 and self._finished_since_scan == 0:
+        if not first and self._pass_claims == 0 and self._finished_since_scan == 0 and not self._pickup_more:
             # Nothing changed since the last look.
             self.commit.commit()
             if self._finished_since_scan:
@@ -525,10 +527,33 @@ class Worker:
         # watchdog's inotify descriptor) is closed in every job's
         # process. Looked up once a pass, not once a job.
         self._spawn_closes = inheritable_fds()
+        self._pick_up()
         scan = self.store.scan(time.time_ns(), self.tuning.scan_limit)
         self._next_due = scan.next_due_ns
         self.log.line(f"worker={self.wid} scan due={len(scan.due)}", 2)
         return scan.due
+
+    def _pick_up(self) -> None:
+        """Take in a batch of what members dropped (shared spools), before
+        the scan that then finds those jobs."""
+        self._pickup_more = False
+        try:
+            report = self.store.pickup(self._pickup_line)
+        except Exception as e:  # the dropped files stay where they are, for the next pass
+            said = f"{type(e).__name__}: {e}"
+            if said not in self._pickup_failures and len(self._pickup_failures) < 100:
+                self._pickup_failures.add(said)
+                self.log.line(f"worker={self.wid} pickup failed: {said} (the files stay in drop/; told once per run)", 0)
+            return
+        self._pickup_more = report.more
+        if report.later_ns is not None and (self._later_ns is None or report.later_ns < self._later_ns):
+            self._later_ns = report.later_ns
+        if report.picked or report.dead or report.answered:
+            self.log.line(f"worker={self.wid} picked up {report.picked} jobs from drop/, moved {report.dead} "
+                          f"to dead/, answered {report.answered} requests", 2)
+
+    def _pickup_line(self, text: str, level: int, severity: int | None) -> None:
+        self.log.line(f"worker={self.wid} {text}", level, severity)
 
     def _claim(self, entry: Entry) -> Claimed | None:
         try:

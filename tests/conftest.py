@@ -3,9 +3,11 @@ subprocess against a real spool directory on the real filesystem."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -197,3 +199,23 @@ def fast_spool(tmp_path: Path) -> SpoolFixture:
     s.run("init")
     s.config("fsync", "false")
     return s
+
+
+@contextlib.contextmanager
+def watching(users, spool: Path, *args: str, stderr=subprocess.DEVNULL):
+    """A watching worker of the shared spool's owner (it picks members'
+    jobs up and answers their requests within milliseconds), running once
+    its registration is in workers/, and stopped (SIGTERM) after."""
+    workers = Path(spool) / "workers"
+    before = set(os.listdir(workers))
+    proc = users.popen(users.owner, "-s", str(spool), "work", "--watch", *args, stdout=subprocess.DEVNULL,
+                       stderr=stderr)
+    _started.append(proc)
+    try:
+        wait_for(lambda: set(os.listdir(workers)) - before or proc.poll() is not None, what="the worker to start")
+        assert proc.poll() is None, "the worker exited at once"
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        proc.wait(60)

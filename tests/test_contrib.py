@@ -137,7 +137,8 @@ def test_the_crontab_lock_skips_a_second_worker_and_follows_no_symlink_a_member_
         holder.wait()
 
 
-@pytest.mark.parametrize("script, args", [("big-folder.py", ["300"]), ("lean-drain.py", ["300", "1"])])
+@pytest.mark.parametrize("script, args", [("big-folder.py", ["300"]), ("lean-drain.py", ["300", "1"]),
+                                          ("pickup.py", ["300", "1"])])
 def test_the_bench_scripts_run_and_report(tmp_path, script, args):
     """contrib/bench scripts behind README figures still run (tiny sizes;
     their figures are only printed, never asserted)."""
@@ -158,3 +159,8 @@ def test_the_bench_scripts_run_and_report(tmp_path, script, args):
         db = sqlite3.connect(tmp_path / "scratch" / "sqlite-0.db")
         assert db.execute("SELECT status, count(*) FROM jobs GROUP BY status").fetchall() == [("done", 300)]
         assert "SQLite-table queue (NORMAL)" in proc.stdout
+    if script == "pickup.py":
+        # Every dropped job was taken in, and then ran.
+        for tag in ("nosync-0", "sync-0"):
+            assert os.listdir(tmp_path / "scratch" / f"drop-{tag}" / "drop") == []
+            assert len(os.listdir(tmp_path / "scratch" / f"drop-{tag}" / "done")) == 300

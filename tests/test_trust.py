@@ -11,14 +11,21 @@ import shutil
 import stat
 from pathlib import Path
 
-from conftest import ROOT
+from conftest import ROOT, watching
 
-MODES = {"": 0o2750, "tmp": 0o3770, "new": 0o3770, "cur": 0o3770, "failed": 0o3770, "dead": 0o3770,
-         "done": 0o3770, "workers": 0o2750}
+MODES = {"": 0o2750, "tmp": 0o2750, "new": 0o2750, "cur": 0o2750, "failed": 0o2750, "dead": 0o2750,
+         "done": 0o2750, "drop": 0o3730, "workers": 0o700}
 
 
 def _drop_as(users, user, spool: Path, name: str, job: dict, umask: str = "027"):
-    """The README's shell drop, as ``user`` under ``umask``."""
+    """The README's shell drop for a member of a shared spool, as ``user``
+    under ``umask``: written under a dot-name in drop/, then renamed."""
+    return users.sh(user, 'printf "%s\\n" "$2" > "$1/drop/.$3" && mv "$1/drop/.$3" "$1/drop/$3.json"',
+                    str(spool), json.dumps(job), name, umask=umask)
+
+
+def _owners_drop(users, user, spool: Path, name: str, job: dict, umask: str = "027"):
+    """The README's shell drop of a spool's own user: tmp/, then new/."""
     return users.sh(user, 'printf "%s\\n" "$2" > "$1/tmp/$3" && mv "$1/tmp/$3" "$1/new/$3.json"',
                     str(spool), json.dumps(job), name, umask=umask)
 
@@ -56,21 +63,32 @@ def test_a_shared_spool_has_the_documented_modes_and_a_member_enqueues_and_reads
     assert _drop_as(users, users.web, spool, "shell", {"command": f"echo shell >> {out}/ran"}).returncode == 0
     ids.append("shell")
     for job_id in ids:
-        st = os.stat(spool / "new" / f"{job_id}.json")
+        # In drop/, readable by the group (the owner's side reads it through it), written by its member alone.
+        st = os.stat(spool / "drop" / f"{job_id}.json")
         assert (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) == (0o640, users.web.uid, gid), job_id
-    # The member reads the spool ...
-    assert users.spoolq(users.web, "-s", str(spool), "list").stdout.count("new") == 5
+    # The owner sees them waiting; the member sees its own job waiting ...
+    assert "dropped          5" in users.spoolq(users.owner, "-s", str(spool), "status").stdout
+    assert "state: dropped" in users.spoolq(users.web, "-s", str(spool), "show", ids[0]).stdout
     # ... but runs no worker, compaction or settings change.
     for args in (["work"], ["sweep"], ["compact"], ["purge", "--dead", "--older-than", "1d"],
                  ["config", "set", "trusted_users", users.evil.name]):
         error = _one_line_error(users.spoolq(users.web, "-s", str(spool), *args))
-        assert f"only {users.owner.name}, who owns {spool}, or root may" in error, args
+        root = "" if args[0] in ("work", "sweep") else " or root"  # (root runs workers only on root's spools)
+        assert f"only {users.owner.name}, who owns {spool},{root} may" in error, args
     run = users.spoolq(users.owner, "-s", str(spool), "work")
     assert run.returncode == 0, run.stderr
     assert sorted((out / "ran").read_text().split()) == ["000", "002", "077", "drop", "shell"]
     for job_id in ids:
         st = os.stat(spool / "done" / f"{job_id}.json")
-        assert stat.S_IMODE(st.st_mode) == 0o640, job_id  # the record the worker wrote: the owner's alone
+        # The record the owner's side wrote: the owner's alone, and no member may open it.
+        assert (stat.S_IMODE(st.st_mode), st.st_uid) == (0o600, users.owner.uid), job_id
+    assert os.listdir(spool / "drop") == []
+    # The member lists its jobs, and is told whose the records are.
+    listed = users.spoolq(users.web, "-s", str(spool), "list").stdout
+    assert listed.count("done") == 5 and listed.count("[record readable by the spool's owner only]") == 5, listed
+    run = users.spoolq(users.web, "-s", str(spool), "show", ids[0])
+    assert run.returncode == 0 and "readable by sqtowner, the spool's owner, only" in run.stdout, run.stdout
+    assert "invalid" not in run.stdout and "unreadable" not in run.stdout
     assert users.spoolq(users.owner, "-s", str(spool), "compact").returncode == 0
     for name in ("index.db", "index.db-wal", "index.db-shm"):
         if (spool / name).exists():
@@ -132,19 +150,21 @@ def test_a_member_cannot_change_or_replace_a_trusted_members_job(users):
     assert _drop_as(users, users.web, spool, "careful", {"command": f"echo web > {out}/careful"}).returncode == 0
     evil_job = json.dumps({"command": f"id -un > {out}/careful"})
     attempts = [
+        f"printf '%s' '{evil_job}' > {spool}/drop/careful.json",
+        f"printf '%s' '{evil_job}' > {spool}/drop/.x && mv -f {spool}/drop/.x {spool}/drop/careful.json",
+        f"mv {spool}/drop/careful.json {spool}/drop/.stolen",
+        f"rm -f {spool}/drop/careful.json",
         f"printf '%s' '{evil_job}' > {spool}/new/careful.json",
-        f"printf '%s' '{evil_job}' > {spool}/tmp/x && mv -f {spool}/tmp/x {spool}/new/careful.json",
-        f"mv {spool}/new/careful.json {spool}/tmp/stolen",
-        f"rm -f {spool}/new/careful.json",
+        f"printf '%s' '{evil_job}' > {spool}/tmp/x",
     ]
     for attempt in attempts:
         assert users.sh(users.evil, attempt).returncode != 0, attempt
     # A file its writer left group-writable could have been changed by any
     # member: it does not run.
     run = _drop_as(users, users.web, spool, "careless", {"command": f"echo web > {out}/careless"}, umask="002")
-    assert run.returncode == 0 and _mode(spool / "new" / "careless.json") == 0o664
+    assert run.returncode == 0 and _mode(spool / "drop" / "careless.json") == 0o664
     assert users.sh(users.evil, f"printf '%s' '{json.dumps({'command': f'id -un > {out}/careless'})}' "
-                                f"> {spool}/new/careless.json").returncode == 0
+                                f"> {spool}/drop/careless.json").returncode == 0
     assert users.spoolq(users.owner, "-s", str(spool), "work").returncode == 0
     assert (out / "careful").read_text() == "web\n"
     assert not (out / "careless").exists()
@@ -165,8 +185,9 @@ def test_a_member_cannot_rename_a_record_back_into_new(users):
                     f"printf x >> {record}", f"rm -f {record}"):
         assert users.sh(users.evil, attempt).returncode != 0, attempt
         assert users.sh(users.web, attempt).returncode != 0, attempt
-    # A copy made by a member is that member's file, and evil is not trusted.
-    assert users.sh(users.evil, f"cp {record} {spool}/tmp/c && mv {spool}/tmp/c {spool}/new/copy.json").returncode == 0
+    # Nor may it read it, to drop a copy.
+    for user in (users.evil, users.web):
+        assert users.sh(user, f"cp {record} {spool}/drop/.c && mv {spool}/drop/.c {spool}/drop/copy.json").returncode != 0
     assert users.spoolq(users.owner, "-s", str(spool), "work").returncode == 0
     assert (out / "ran").read_text() == "once\n"
 
@@ -175,11 +196,14 @@ def test_a_member_cancels_its_own_waiting_job_and_no_one_elses(users):
     spool = users.shared_spool()
     mine = users.spoolq(users.web, "-s", str(spool), "enqueue", "--in", "1h", "true").stdout.strip()
     theirs = users.spoolq(users.owner, "-s", str(spool), "enqueue", "--in", "1h", "true").stdout.strip()
-    run = users.spoolq(users.web, "-s", str(spool), "cancel", mine)
-    assert run.returncode == 0, run.stderr
-    run = users.spoolq(users.evil, "-s", str(spool), "cancel", theirs)
-    assert run.returncode != 0 and "Traceback" not in run.stderr
+    with watching(users, spool):
+        run = users.spoolq(users.web, "-s", str(spool), "cancel", mine)
+        assert (run.returncode, run.stdout) == (0, f"cancelled {mine}\n"), run.stderr
+        for user in (users.evil, users.web):
+            run = users.spoolq(user, "-s", str(spool), "cancel", theirs)
+            assert run.returncode == 1 and "Traceback" not in run.stderr and run.stderr.count("\n") == 1, run.stderr
     assert (spool / "new" / f"{theirs}.json").exists()
+    assert (spool / "done" / f"{mine}.json").exists()
 
 
 def test_a_spool_another_user_made_is_refused(users):
@@ -192,7 +216,7 @@ def test_a_spool_another_user_made_is_refused(users):
     run = users.spoolq(users.evil, "-s", str(public / "spool"), "init", umask="000")
     assert run.returncode == 0, run.stderr
     users.sh(users.evil, f"chmod 755 {public}/spool {public}/spool/*")
-    assert _drop_as(users, users.evil, public / "spool", "trap", {"command": f"id -un > {out}/ran"}).returncode == 0
+    assert _owners_drop(users, users.evil, public / "spool", "trap", {"command": f"id -un > {out}/ran"}).returncode == 0
     error = _one_line_error(users.spoolq(users.owner, "-s", str(public / "spool"), "work"))
     assert f"{public}/spool belongs to sqtevil" in error
     error = _one_line_error(users.spoolq(users.owner, "enqueue", "echo secret", cwd=str(public)))
@@ -204,6 +228,7 @@ def test_a_spool_another_user_made_is_refused(users):
     shared = users.folder("evilshared", owner=users.evil) / "spool"
     assert users.spoolq(users.evil, "-s", str(shared), "init", "--group", users.group).returncode == 0
     assert users.spoolq(users.owner, "-s", str(shared), "enqueue", "true").returncode == 0
+    assert len(os.listdir(shared / "drop")) == 1  # into the drop, as any member's
     error = _one_line_error(users.spoolq(users.owner, "-s", str(shared), "work"))
     assert "only sqtevil, who owns" in error
 

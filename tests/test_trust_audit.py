@@ -41,14 +41,21 @@ def _root_spool(users) -> str:
 def test_a_staged_record_a_member_plants_in_cur_is_never_taken_as_a_runs_outcome(users):
     """A staged record is a worker's: recovery takes one only from a user
     who runs workers on the spool. A trusted member's would otherwise
-    become a root-owned record, whose run_as a root worker believes."""
+    become a root-owned record, whose run_as a root worker believes. A
+    member cannot write into cur/ at all; a member's file put there (root
+    puts it here, as an older spool's layout let members) counts for
+    nothing either."""
     path = _root_spool(users)
     out = users.folder("out")
     os.chmod(out, 0o1777)
     script = users.folder("bin") / "stage.py"
     script.write_text(STAGE)
     os.chmod(script, 0o644)
-    _ok(users.sh(users.web, f"{users.python} {script} {path} forged 'id -u > {out}/who' 0", umask="027"))
+    attempt = users.sh(users.web, f"{users.python} {script} {path} forged 'id -u > {out}/who' 0", umask="027")
+    assert attempt.returncode != 0 and "Permission denied" in attempt.stderr, attempt.stderr
+    _ok(users.sh(None, f"{users.python} {script} {path} forged 'id -u > {out}/who' 0 && "
+                       f"chown {users.web.uid}:{users.gid} {path}/cur/forged.json {path}/cur/.staged.forged.json.*",
+                 umask="027"))
     _ok(users.spoolq(None, "-s", path, "work"))
     assert not (Path(out) / "who").exists(), "the member's forged command ran as " + (Path(out) / "who").read_text()
     assert not [n for n in os.listdir(Path(path) / "cur")], os.listdir(Path(path) / "cur")
@@ -81,14 +88,18 @@ def test_a_reason_a_member_writes_beside_another_users_dead_job_is_not_told(user
     spool = users.shared_spool()
     job = _ok(users.spoolq(users.web, "-s", str(spool), "enqueue", "--id", "later", "--in", "1h", "true",
                            umask="027")).strip()
-    _ok(users.sh(users.web, f"mv {spool}/new/{job}.json {spool}/dead/"))
+    _ok(users.spoolq(users.owner, "-s", str(spool), "work"))  # picked up: in new/, due in an hour
+    os.rename(spool / "new" / f"{job}.json", spool / "dead" / f"{job}.json")  # as if it had died
     dead = os.open(spool / "dead", os.O_RDONLY | os.O_DIRECTORY)
     try:
         st = os.stat(f"{job}.json", dir_fd=dead, follow_symlinks=False)
         identity = f"{st.st_ino} {st.st_dev} {linux.birth_ns(dead, f'{job}.json')}"
     finally:
         os.close(dead)
-    _ok(users.sh(users.evil, f"printf '%s\\nforged by evil' '{identity}' > {spool}/dead/.reason.{job}.json"))
+    forge = f"printf '%s\\nforged by evil' '{identity}' > {spool}/dead/.reason.{job}.json"
+    assert users.sh(users.evil, forge).returncode != 0  # dead/ is the owner's side's
+    # A member's dot-file there all the same (root puts it, as an older layout let members):
+    _ok(users.sh(None, f"{forge} && chown {users.evil.uid}:{users.gid} {spool}/dead/.reason.{job}.json"))
     for user in (users.owner, None):
         show = json.loads(_ok(users.spoolq(user, "-s", str(spool), "show", job, "--json")))
         assert "forged" not in str(show.get("error")), show
@@ -98,13 +109,17 @@ def test_a_file_a_member_puts_under_a_jobs_name_in_done_or_failed_is_moved_aside
     path = _root_spool(users)
     finishing = _ok(users.spoolq(users.web, "-s", path, "enqueue", "echo real")).strip()
     failing = _ok(users.spoolq(users.web, "-s", path, "enqueue", "--max-attempts", "2", "exit 3")).strip()
+    _ok(users.spoolq(None, "-s", path, "sweep"))  # picked up: the jobs wait in new/
     forged = json.dumps({"command": "true", "state": "done", "outcome": "succeeded", "stdout": "FORGED\n"})
     for folder, job in (("done", finishing), ("failed", failing)):
-        _ok(users.sh(users.evil, f"printf '%s' '{forged}' > {path}/{folder}/{job}.json"))
+        plant = f"printf '%s' '{forged}' > {path}/{folder}/{job}.json"
+        assert users.sh(users.evil, plant).returncode != 0, folder  # the owner's side's folders
+        # A member's file there all the same (root puts it, as an older layout let members):
+        _ok(users.sh(None, f"{plant} && chown {users.evil.uid}:{users.gid} {path}/{folder}/{job}.json"))
     _ok(users.spoolq(None, "-s", path, "work", "--max-jobs", "2"))
-    real = json.loads(_ok(users.spoolq(users.web, "-s", path, "show", finishing, "--json")))
+    real = json.loads(_ok(users.spoolq(None, "-s", path, "show", finishing, "--json")))
     assert real["stdout"] == "real\n" and real["state"] == "done"
-    again = json.loads(_ok(users.spoolq(users.web, "-s", path, "show", failing, "--json")))
+    again = json.loads(_ok(users.spoolq(None, "-s", path, "show", failing, "--json")))
     assert again["state"] == "failed" and again["exit_code"] == 3
     aside = sorted(n for n in os.listdir(Path(path) / "dead") if not n.startswith("."))
     assert len(aside) == 2 and all(".dup-" in n for n in aside), aside

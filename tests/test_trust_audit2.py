@@ -23,7 +23,10 @@ def test_a_members_directory_under_a_jobs_name_in_done_never_wedges_the_job(user
     spool = users.shared_spool()
     _ok(users.spoolq(users.web, "-s", str(spool), "enqueue", "--id", "first", "true", umask="027"))
     _ok(users.spoolq(users.web, "-s", str(spool), "enqueue", "--id", "second", "--in", "0", "true", umask="027"))
-    _ok(users.sh(users.evil, f"mkdir -m 700 {spool}/done/first.json"))
+    _ok(users.spoolq(users.owner, "-s", str(spool), "sweep"))  # picked up: the ids are in new/
+    assert users.sh(users.evil, f"mkdir -m 700 {spool}/done/first.json").returncode != 0  # the owner's side's folder
+    # A member's folder there all the same (root makes it, as an older layout let members):
+    _ok(users.sh(None, f"mkdir -m 700 {spool}/done/first.json && chown {users.evil.uid} {spool}/done/first.json"))
     proc = users.spoolq(users.owner, "-s", str(spool), "work")
     assert proc.returncode == 0, proc.stderr
     assert os.listdir(spool / "cur") == []
@@ -37,7 +40,8 @@ def test_a_members_directory_in_cur_never_stops_recovery(users):
     """Recovery leaves in cur/ a member's directory it may not move, and
     recovers the abandoned jobs beside it."""
     spool = users.shared_spool()
-    _ok(users.sh(users.evil, f"mkdir -m 700 {spool}/cur/0.json"))
+    assert users.sh(users.evil, f"mkdir -m 700 {spool}/cur/0.json").returncode != 0  # the owner's side's folder
+    _ok(users.sh(None, f"mkdir -m 700 {spool}/cur/0.json && chown {users.evil.uid} {spool}/cur/0.json"))
     # A job whose worker died without a trace: in cur/, unlocked, unregistered.
     _ok(users.sh(users.owner, f"printf '{{\"command\": \"true\"}}' > {spool}/cur/abandoned.json", umask="027"))
     proc = users.spoolq(users.owner, "-s", str(spool), "sweep")

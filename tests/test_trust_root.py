@@ -207,3 +207,24 @@ def test_allowed_kinds_limits_the_handler_jobs_that_run(fast_spool, tmp_path):
     s.work("--app", "kindsapp:HANDLERS", cwd=str(tmp_path))
     assert s.where("dropped") == ["dead"] and s.show("dropped")["error"] == message
     assert s.where(allowed) == ["done"] and s.where(command) == ["done"]
+
+
+def test_no_retry_changes_whose_job_it_is(users):
+    """On a spool of the owner's, a member's job is the member's whoever
+    retries it: the record the owner's side writes keeps who enqueued it
+    (run_as), and root's retry writes a record the owner's worker can
+    read, still the member's job."""
+    path = str(users.folder("owned", owner=users.owner) / "spool")
+    _ok(users.spoolq(users.owner, "-s", path, "init", "--group", users.group))
+    _ok(users.spoolq(users.owner, "-s", path, "config", "set", "trusted_users", users.web.name))
+    job_id = _enqueue(users, users.web, path, "--max-attempts", "1", "id -un; exit 3")
+    for retrier in (None, users.owner, None):
+        _ok(users.spoolq(users.owner, "-s", path, "work"))
+        job = _show(users, path, job_id)
+        assert (job["state"], job["run_as"], job["stdout"]) == ("dead", users.web.uid, f"{users.owner.name}\n"), job
+        record = os.stat(os.path.join(path, "dead", f"{job_id}.json"))
+        assert (record.st_uid, record.st_mode & 0o777) == (users.owner.uid, 0o600)
+        _ok(users.spoolq(retrier, "-s", path, "retry", job_id))
+    new = os.stat(os.path.join(path, "new", f"{job_id}.json"))
+    assert (new.st_uid, new.st_mode & 0o777) == (users.owner.uid, 0o600)
+    assert _show(users, path, job_id)["run_as"] == users.web.uid

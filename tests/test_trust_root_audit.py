@@ -54,7 +54,7 @@ def test_root_runs_workers_and_sweeps_only_on_a_spool_of_roots(users):
         assert error == (f"spoolq: {spool} belongs to sqtowner: root {doing} root owns; run it as sqtowner "
                          f"(runuser -u sqtowner -- spoolq -s {spool} {command}), or make a spool of root's\n")
     assert os.listdir(spool / "workers") == []
-    assert (spool / "new" / f"{job}.json").exists()
+    assert (spool / "drop" / f"{job}.json").exists()  # not picked up either
     # The owner's own worker runs there as before; root's other commands do too.
     _ok(users.spoolq(users.owner, "-s", str(spool), "work"))
     for args in (["status"], ["list"], ["show", job], ["config", "set", "max_attempts", "2"], ["compact"],
@@ -93,12 +93,24 @@ def _runs_as(users, spool, job_id: str) -> list[str]:
     return [line for line in (job.get("stdout") or "").split() if line.isdigit()]
 
 
+def _own_file_in_dead(users, spool, job_id: str, command: str) -> None:
+    """A file of the member's own in dead/: a drop no worker could take
+    (dead/ as it is), which the member, owning it, then rewrites."""
+    bad = json.dumps({"command": command, "timeout": "soon"})
+    _ok(users.sh(users.web, f"printf '%s' '{bad}' > {spool}/drop/.{job_id} && mv {spool}/drop/.{job_id} "
+                            f"{spool}/drop/{job_id}.json", umask="027"))
+    _ok(users.spoolq(users.owner if os.stat(spool).st_uid == users.owner.uid else None, "-s", str(spool), "sweep"))
+    assert os.stat(spool / "dead" / f"{job_id}.json").st_uid == users.web.uid
+    good = json.dumps({"command": command, "run_as": 0})  # (a run_as the member writes: never believed)
+    _ok(users.sh(users.web, f"printf '%s' '{good}' > {spool}/dead/{job_id}.json"))
+
+
 def test_a_members_job_runs_as_the_member_whatever_root_or_the_owner_does_with_it(users):
     """Under a root worker a trusted member's job runs as that member: after
     it died and root retried it (``retry ID``, ``retry --all``), after the
-    member put its own file in dead/ and root retried every dead job, and
-    after a file the member wrote into cur/ was swept by root. A file the
-    member put in dead/ of the owner's spool, retried by the owner, never
+    member rewrote its own file in dead/ and root retried every dead job,
+    and after a file the member wrote into cur/ was swept by root. A file of
+    the member's in dead/ of the owner's spool, retried by the owner, never
     runs under a root worker as the owner (root runs no worker there)."""
     spool = users.root_spool(("backoff_initial", "0"), ("max_attempts", "1"), ("fsync", "true"))
     web = str(users.web.uid)
@@ -111,8 +123,7 @@ def test_a_members_job_runs_as_the_member_whatever_root_or_the_owner_does_with_i
     assert _runs_as(users, spool, died) == [web]
     # The member's own file, moved to dead/ unchanged, and one written into
     # cur/ (each if the member may put a file there at all).
-    _ok(users.spoolq(users.web, "-s", str(spool), "enqueue", "--id", "moved", "--in", "1h", "id -u", umask="027"))
-    users.sh(users.web, f"mv {spool}/new/moved.json {spool}/dead/")
+    _own_file_in_dead(users, spool, "moved", "id -u")
     # (max_attempts 2: recovery counts the run it finds cut short as one)
     planted = json.dumps({"command": "id -u", "max_attempts": 2})
     users.sh(users.web, f"printf '%s' '{planted}' > {spool}/cur/planted.json", umask="027")
@@ -120,15 +131,13 @@ def test_a_members_job_runs_as_the_member_whatever_root_or_the_owner_does_with_i
     _ok(users.spoolq(None, "-s", str(spool), "sweep"))
     _ok(users.spoolq(None, "-s", str(spool), "work"))
     assert _runs_as(users, spool, died) == [web]
-    for job_id in ("moved", "planted"):
-        if users.spoolq(None, "-s", str(spool), "show", job_id).returncode == 0:
-            assert _runs_as(users, spool, job_id) == [web], (job_id, _show(users, spool, job_id))
+    assert _runs_as(users, spool, "moved") == [web], _show(users, spool, "moved")
+    if users.spoolq(None, "-s", str(spool), "show", "planted").returncode == 0:
+        assert _runs_as(users, spool, "planted") == [web], _show(users, spool, "planted")
     # The owner's spool: the owner's routine retry rewrites the member's file as the owner's.
     owners = users.shared_spool()
     out = _shared_folder(users, "runs")
-    _ok(users.spoolq(users.web, "-s", str(owners), "enqueue", "--id", "theirs", "--in", "1h",
-                     f"id -u >> {out}/runs", umask="027"))
-    users.sh(users.web, f"mv {owners}/new/theirs.json {owners}/dead/")
+    _own_file_in_dead(users, owners, "theirs", f"id -u >> {out}/runs")
     _ok(users.spoolq(users.owner, "-s", str(owners), "retry", "--all"))
     users.spoolq(None, "-s", str(owners), "work")  # refused
     ran = (out / "runs").read_text().split() if (out / "runs").exists() else []
@@ -179,9 +188,9 @@ def test_root_handlers_set_by_anyone_but_root_never_runs_a_members_handler_job_a
 def test_nothing_a_non_root_user_writes_makes_roots_sweep_signal_a_process(users, victims):
     """An outsider's process carries a worker's marker. The owner gets root
     to write a record shaped like that worker's registration (root cancels
-    the owner's job, whose fields say so) and moves it into workers/:
-    root's sweep kills nothing (it sweeps no spool but root's). In root's
-    spool members cannot put anything into workers/."""
+    the owner's job, whose fields say so) and moves it into workers/: root's
+    sweep kills nothing (it sweeps no spool but root's). In root's spool
+    members cannot put anything into workers/."""
     worker = "ghost.11.abcdef"
     victim = victims.start(users.out, _marker(worker, "j"))
     registration = json.loads(_registration(worker, _start_time(os.getpid()), {"j": victim}))
@@ -190,7 +199,7 @@ def test_nothing_a_non_root_user_writes_makes_roots_sweep_signal_a_process(users
     job = _ok(users.spoolq(users.owner, "-s", str(owners), "enqueue", "--in", "1h", "--json",
                            json.dumps({"command": "true", **registration}))).strip()
     _ok(users.spoolq(None, "-s", str(owners), "cancel", job))
-    assert os.stat(owners / "done" / f"{job}.json").st_uid == 0
+    assert os.stat(owners / "done" / f"{job}.json").st_uid == users.owner.uid  # root writes the owner's records there
     _ok(users.sh(users.owner, f"mv {owners}/done/{job}.json {owners}/workers/{worker}.json"))
     users.spoolq(None, "-s", str(owners), "sweep")  # refused
     roots = users.root_spool()

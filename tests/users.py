@@ -67,6 +67,13 @@ class Users:
             os.chown(path, owner.uid, owner.gid)
         return path
 
+    def open_folder(self, name: str) -> Path:
+        """A fresh folder every user may write in (1777), for what jobs and
+        users write."""
+        path = self.folder(name)
+        os.chmod(path, 0o1777)
+        return path
+
     def shared_spool(self) -> Path:
         """A shared spool of ``owner`` (fsync off) in which ``web`` is trusted."""
         spool = self.folder("shared", owner=self.owner) / "spool"
