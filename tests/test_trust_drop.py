@@ -303,3 +303,22 @@ def test_what_a_member_puts_in_the_drop_never_stops_the_pickup_of_others(users):
             _ok(users.sh(user, f"rm -rf {spool}/drop/{name}"))
     assert secret.read_text() == '{"command": "echo secret"}'
     assert not any("secret" in name for name in os.listdir(spool / "done"))
+
+
+def test_a_job_runs_only_while_whoever_enqueued_it_is_trusted_under_any_worker(users):
+    """Who enqueued a job (run_as, kept in the record of the owner's side)
+    is checked against trusted_users at every claim, under the owner's
+    worker and under root's on root's spool alike: a member no longer
+    trusted when its picked-up job comes due gets it to dead/, unrun."""
+    out = users.open_folder("out")
+    for worker, spool in ((users.owner, users.shared_spool()), (None, users.root_spool())):
+        ran = out / ("root" if worker is None else worker.name)
+        job_id = _ok(users.spoolq(users.web, "-s", str(spool), "enqueue", "--in", "1h", f"touch {ran}")).strip()
+        _ok(users.spoolq(worker, "-s", str(spool), "sweep"))  # picked up: a record of the owner's side, due later
+        assert _show(users, worker, spool, job_id)["run_as"] == users.web.uid
+        _ok(users.spoolq(worker, "-s", str(spool), "config", "set", "trusted_users", "[]"))
+        os.utime(spool / "new" / f"{job_id}.json", (0, 0))  # due now
+        _ok(users.spoolq(worker, "-s", str(spool), "work"))
+        job = _show(users, worker, spool, job_id)
+        assert job["state"] == "dead" and not ran.exists(), job
+        assert f"enqueued by untrusted user {users.web.name}" in job["error"], job
