@@ -193,6 +193,18 @@ class Pickup:
         if report.dead:
             self.ctx.spool.sync_dir("dead")
 
+    def _open(self, name: str) -> tuple[int, os.stat_result] | None:
+        """A dropped entry opened (descriptor, stat), or None: gone, replaced
+        since it was listed (looked at anew next pass), or unreadable (left,
+        and told)."""
+        try:
+            return self.ctx.spool.drops.open(name)
+        except (FileNotFoundError, NotRegular):
+            self._forget(name)
+        except PermissionError:
+            self._unreadable(name)
+        return None
+
     def _stuck(self, name: str, seen: _Seen, error: OSError) -> None:
         """One entry that could not be taken (a member's folder where its
         reply goes, say): left and told, and the others go on."""
@@ -208,17 +220,10 @@ class Pickup:
         if not stat.S_ISREG(seen.mode) or seen.uid not in ctx.trusted_uids:
             self._to_dead(name, seen, report)
             return
-        try:
-            fd, st = drops.open(name)
-        except FileNotFoundError:
-            self._forget(name)
+        opened = self._open(name)
+        if opened is None:
             return
-        except NotRegular:
-            self._forget(name)  # replaced since it was listed: looked at anew next pass
-            return
-        except PermissionError:
-            self._unreadable(name)
-            return
+        fd, st = opened
         try:
             if st.st_uid not in ctx.trusted_uids:
                 self._to_dead(name, _Seen(st.st_uid, st.st_mtime_ns, st.st_mode), report)
@@ -351,14 +356,10 @@ class Pickup:
             drops.unlink(name)  # none can be answered, or it was already
             self._forget(name)
             return
-        try:
-            fd, st = drops.open(name)
-        except (FileNotFoundError, NotRegular):
-            self._forget(name)
+        opened = self._open(name)
+        if opened is None:
             return
-        except PermissionError:
-            self._unreadable(name)
-            return
+        fd, st = opened
         try:
             data = drops.read(fd, REQUEST_MAX + 1, st.st_size)
         finally:

@@ -471,12 +471,7 @@ class SpoolDir:
         written: list[tuple[str, str]] = []
         published: list[str] = []
         try:
-            for name, data, mtime_ns in items:
-                tmp, fd = self._write_tmp(name, data, mtime_ns)
-                written.append((tmp, name))
-                _close_held(fd)
-            if self.fsync and written:
-                linux.syncfs(tmp_dir)
+            written = list(zip(self.write_synced(items), (name for name, _data, _mtime in items)))
             new_dir = self.fd("new")
             for tmp, name in written:
                 rename_noreplace(tmp_dir, tmp, new_dir, name)
@@ -501,6 +496,25 @@ class SpoolDir:
                 e.published = published  # type: ignore[attr-defined]
                 raise
         return published
+
+    def write_synced(self, items: list[tuple[str, bytes, int | None]]) -> list[str]:
+        """Write each (name, bytes, mtime) as a new file of this user's in
+        tmp/, all made durable by one ``syncfs`` (fsync on); returns their
+        names in tmp/, in order. On an error none is left there."""
+        tmp_dir = self.fd("tmp")
+        written: list[str] = []
+        try:
+            for name, data, mtime_ns in items:
+                tmp, fd = self._write_tmp(name, data, mtime_ns)
+                written.append(tmp)
+                _close_held(fd)
+            if self.fsync and written:
+                linux.syncfs(tmp_dir)
+        except BaseException:
+            for tmp in written:
+                _unlink_quietly(tmp_dir, tmp)
+            raise
+        return written
 
     def find(self, names: tuple[str, ...], states: tuple[str, ...] = STATES) -> tuple[str, str] | None:
         """(state, name) of the first of ``names`` found in ``states``, in
@@ -1208,15 +1222,9 @@ class DropBox:
         whether it got its name (False: the name was taken meanwhile)."""
         sp = self.spool
         tmp_dir = sp.fd("tmp")
-        written: list[str] = []
+        written = sp.write_synced(records)
         placed: list[bool] = []
         try:
-            for name, data, due_ns in records:
-                tmp, fd = sp._write_tmp(name, data, due_ns)
-                written.append(tmp)
-                _close_held(fd)
-            if sp.fsync and written:
-                linux.syncfs(tmp_dir)
             new_dir = sp.fd("new")
             for (name, _data, _due), tmp in zip(records, written):
                 try:

@@ -30,12 +30,8 @@ def _ok(proc):
 
 
 def _root_spool(users) -> str:
-    """A shared spool root made and owns, web trusted, retries at once."""
-    path = str(users.folder("root") / "spool")
-    _ok(users.spoolq(None, "-s", path, "init", "--group", users.group))
-    for key, value in (("trusted_users", users.web.name), ("backoff_initial", "0")):
-        _ok(users.spoolq(None, "-s", path, "config", "set", key, value))
-    return path
+    """A shared spool root made and owns, web trusted, fsync on, retries at once."""
+    return str(users.root_spool(("fsync", "true"), ("backoff_initial", "0")))
 
 
 def test_a_staged_record_a_member_plants_in_cur_is_never_taken_as_a_runs_outcome(users):

@@ -31,13 +31,6 @@ def _one_line_error(proc) -> str:
     return proc.stderr
 
 
-def _shared_folder(users, name: str) -> Path:
-    """A folder anyone may write a file into (sticky, as /tmp is)."""
-    folder = users.folder(name)
-    os.chmod(folder, 0o1777)
-    return folder
-
-
 def _show(users, spool, job_id: str) -> dict:
     return json.loads(_ok(users.spoolq(None, "-s", str(spool), "show", job_id, "--json")))
 
@@ -68,14 +61,12 @@ def test_no_file_a_non_root_user_writes_makes_root_run_anything_as_root(users):
     a job in cur/ with a staged outcome saying ``"run_as": 0`` and a command
     of its choosing; root then sweeps, works, retries every dead job and
     works again on each spool: nothing runs as uid 0."""
-    out = _shared_folder(users, "who")
+    out = users.open_folder("who")
     script = users.folder("bin") / "stage.py"
     script.write_text(STAGE)
     os.chmod(script, 0o644)
     # fsync on: root's rewrite of a record is a new file of root's, not the old one written in place.
-    owners = users.shared_spool()
-    for key, value in (("fsync", "true"), ("backoff_initial", "0")):
-        _ok(users.spoolq(users.owner, "-s", str(owners), "config", "set", key, value))
+    owners = users.shared_spool(("fsync", "true"), ("backoff_initial", "0"))
     roots = users.root_spool(("backoff_initial", "0"), ("fsync", "true"))
     _ok(users.sh(users.owner, f"{users.python} {script} {owners} x1 'id -u >> {out}/who' 0", umask="027"))
     for member in (users.web, users.evil):  # if a member can write cur/ at all
@@ -136,7 +127,7 @@ def test_a_members_job_runs_as_the_member_whatever_root_or_the_owner_does_with_i
         assert _runs_as(users, spool, "planted") == [web], _show(users, spool, "planted")
     # The owner's spool: the owner's routine retry rewrites the member's file as the owner's.
     owners = users.shared_spool()
-    out = _shared_folder(users, "runs")
+    out = users.open_folder("runs")
     _own_file_in_dead(users, owners, "theirs", f"id -u >> {out}/runs")
     _ok(users.spoolq(users.owner, "-s", str(owners), "retry", "--all"))
     users.spoolq(None, "-s", str(owners), "work")  # refused
@@ -161,7 +152,7 @@ def test_root_handlers_set_by_anyone_but_root_never_runs_a_members_handler_job_a
     members' handler jobs run (as root, by root's consent)."""
     app = users.folder("app")
     (app / "rootapp.py").write_text(APP)
-    ran = _shared_folder(users, "handlers") / "ran"
+    ran = users.open_folder("handlers") / "ran"
     owners = users.shared_spool()
     _ok(users.spoolq(users.owner, "-s", str(owners), "config", "set", "root_handlers", "true"))
     _ok(users.spoolq(None, "-s", str(owners), "config", "set", "max_attempts", "1"))
@@ -194,8 +185,7 @@ def test_nothing_a_non_root_user_writes_makes_roots_sweep_signal_a_process(users
     worker = "ghost.11.abcdef"
     victim = victims.start(users.out, _marker(worker, "j"))
     registration = json.loads(_registration(worker, _start_time(os.getpid()), {"j": victim}))
-    owners = users.shared_spool()
-    _ok(users.spoolq(users.owner, "-s", str(owners), "config", "set", "fsync", "true"))  # root's rewrite: a new file
+    owners = users.shared_spool(("fsync", "true"))  # root's rewrite: a new file
     job = _ok(users.spoolq(users.owner, "-s", str(owners), "enqueue", "--in", "1h", "--json",
                            json.dumps({"command": "true", **registration}))).strip()
     _ok(users.spoolq(None, "-s", str(owners), "cancel", job))
@@ -266,7 +256,7 @@ def test_an_outsider_sees_no_running_jobs_command_in_ps(users):
     """Under the owner's worker and under root's (which runs the job as the
     member), ``ps`` run by an outsider shows the job's shell but not its
     command."""
-    started = _shared_folder(users, "started")
+    started = users.open_folder("started")
     for user, spool in ((users.owner, users.shared_spool()), (None, users.root_spool())):
         flag = started / f"{user.name if user else 'root'}"
         _ok(users.spoolq(users.web, "-s", str(spool), "enqueue", "--max-attempts", "1", "--timeout", "10",
@@ -294,7 +284,7 @@ def test_a_spool_path_someone_else_could_swap_is_refused_before_anything_changes
     (target / "kept").write_text("root's\n")
     before = _snapshot(target)
     evils = users.folder("evils", owner=users.evil)
-    sticky = _shared_folder(users, "sticky")
+    sticky = users.open_folder("sticky")
     for folder in (evils, sticky):
         _ok(users.sh(users.evil, f"ln -s {target} {folder}/spool"))
         for args in (["init", "--group", users.group], ["enqueue", "true"]):

@@ -74,25 +74,24 @@ class Users:
         os.chmod(path, 0o1777)
         return path
 
-    def shared_spool(self) -> Path:
-        """A shared spool of ``owner`` (fsync off) in which ``web`` is trusted."""
-        spool = self.folder("shared", owner=self.owner) / "spool"
-        for args in (["init", "--group", self.group], ["config", "set", "fsync", "false"],
-                     ["config", "set", "trusted_users", self.web.name]):
-            run = self.spoolq(self.owner, "-s", str(spool), *args)
-            assert run.returncode == 0, run.stderr
-        return spool
+    def shared_spool(self, *settings: tuple[str, str]) -> Path:
+        """A shared spool of ``owner`` (fsync off) in which ``web`` is
+        trusted; ``settings`` are (key, value) to set too."""
+        return self._spool(self.owner, self.folder("shared", owner=self.owner), settings)
 
     def root_spool(self, *settings: tuple[str, str]) -> Path:
         """A shared spool of root's (fsync off), made as a service would
         make one (root runs ``init --group`` in a folder of root's), in
         which ``web`` is trusted; ``settings`` are (key, value) to set too.
         Root runs workers only on a spool of root's."""
-        spool = self.folder("rootshared") / "spool"
+        return self._spool(None, self.folder("rootshared"), settings)
+
+    def _spool(self, owner: User | None, folder: Path, settings: tuple[tuple[str, str], ...]) -> Path:
+        spool = folder / "spool"
         for args in (["init", "--group", self.group], ["config", "set", "fsync", "false"],
                      ["config", "set", "trusted_users", self.web.name],
                      *(["config", "set", key, value] for key, value in settings)):
-            run = self.spoolq(None, "-s", str(spool), *args)
+            run = self.spoolq(owner, "-s", str(spool), *args)
             assert run.returncode == 0, run.stderr
         return spool
 
