@@ -48,6 +48,22 @@ def _duration(ctx, param, value):
         raise click.BadParameter(str(e)) from None
 
 
+def _history_duration(ctx, param, value):
+    """A duration that decides which history goes (``compact --keep``,
+    ``purge --older-than``): a unit is required, since ``--keep 30`` read
+    as seconds drops what was meant to be kept for a month. Zero needs none."""
+    seconds = _duration(ctx, param, value)
+    if seconds and record.BARE_NUMBER.fullmatch(value.strip()):
+        number = value.strip()
+        raise click.BadParameter(f"{value!r} has no unit: say {number}d (days), {number}h (hours) or {number}m "
+                                 "(minutes)")
+    return seconds
+
+
+# A compact or purge that reaches jobs finished this recently asks for --yes.
+RECENT = 86400
+
+
 def _given(ctx, name: str) -> str:
     """A duration option as the user wrote it (``--in 400d``, not seconds)."""
     return ctx.meta.get("spoolq.given", {}).get(name, "")
@@ -605,8 +621,8 @@ def sweep(ctx):
 
 
 @cli.command()
-@click.option("--keep", callback=_duration, metavar="DURATION", help="Drop history older than this (e.g. 30d).")
-@click.option("--yes", is_flag=True, help="Confirm --keep 0 (drop the history of every finished job).")
+@click.option("--keep", callback=_history_duration, metavar="DURATION", help="Drop history older than this (with a unit: 30d, 12h).")
+@click.option("--yes", is_flag=True, help="Confirm a --keep under a day (history of jobs that finished today).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_context
 def compact(ctx, keep, yes, as_json):
@@ -616,6 +632,9 @@ def compact(ctx, keep, yes, as_json):
         # goes, the ones this very compaction folds included.
         fail(f"--keep {_given(ctx, 'keep')} would drop the history of every finished job, including the ones this compaction "
              "folds; add --yes to do that", 2)
+    if keep is not None and keep < RECENT and not yes:
+        fail(f"--keep {_given(ctx, 'keep')} would drop the history of jobs that finished less than a day ago; "
+             "add --yes to do that", 2)
     result = _existing(ctx).compact(keep=keep)
     if as_json:
         echo(json.dumps(result))
@@ -626,11 +645,15 @@ def compact(ctx, keep, yes, as_json):
 
 @cli.command()
 @click.option("--dead", "dead", is_flag=True, required=True, help="Purge dead jobs (the only kind there is).")
-@click.option("--older-than", "older_than", callback=_duration, required=True, metavar="DURATION",
-              help="Only dead jobs whose file is older than this.")
+@click.option("--older-than", "older_than", callback=_history_duration, required=True, metavar="DURATION",
+              help="Only dead jobs whose file is older than this (with a unit: 30d, 12h).")
+@click.option("--yes", is_flag=True, help="Confirm an --older-than under a day (jobs that died today).")
 @click.pass_context
-def purge(ctx, dead, older_than):
+def purge(ctx, dead, older_than, yes):
     """Clear dead jobs into index.db (a deliberate act; compact never touches dead/)."""
+    if older_than < RECENT and not yes:
+        fail(f"--older-than {_given(ctx, 'older_than')} would purge jobs that died less than a day ago; "
+             "add --yes to do that", 2)
     result = _existing(ctx).purge_dead(older_than)
     echo(f"purged {result['purged']} dead jobs into index.db, left {result['left']}")
 

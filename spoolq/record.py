@@ -126,6 +126,7 @@ def time_or_none(value: Any) -> float | None:
         return None
 
 
+BARE_NUMBER = re.compile(r"\d+(?:\.\d+)?")  # a duration without a unit (seconds)
 _DURATION_PART = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-z]*)")
 _UNITS = {"": 1, "s": 1, "sec": 1, "secs": 1, "second": 1, "seconds": 1,
           "m": 60, "min": 60, "mins": 60, "minute": 60, "minutes": 60,

@@ -527,7 +527,7 @@ def test_list_marks_cancelled_jobs_and_status_counts_purged_dead_ones(fast_spool
     s.work()
     lines = {line.split()[1]: line for line in s.run("list", "--state", "done").stdout.splitlines()}
     assert lines["called-off"].endswith("[cancelled]") and "[" not in lines["ran"]
-    s.run("purge", "--dead", "--older-than", "0")
+    s.run("purge", "--dead", "--older-than", "0", "--yes")
     dead_line = next(line for line in s.run("status").stdout.splitlines() if line.startswith("dead"))
     assert dead_line.split() == ["dead", "0", "(and", "1", "purged", "into", "index.db)"]
 

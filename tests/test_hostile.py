@@ -284,7 +284,7 @@ def test_records_sqlite_cannot_bind_never_stop_compact_stats_or_purge(fast_spool
     assert s.show("surrogate")["command"] == os.fsdecode(b"echo \xff") and s.show("surrogate")["compacted"] is True
     assert s.show("huge-attempts")["attempts"] == 9223372036854775807 + 1
     assert json.loads(s.run("stats", "--json").stdout)["total"]["succeeded"] == 4
-    assert s.run("purge", "--dead", "--older-than", "0").stdout == "purged 3 dead jobs into index.db, left 0\n"
+    assert s.run("purge", "--dead", "--older-than", "0", "--yes").stdout == "purged 3 dead jobs into index.db, left 0\n"
     assert s.names("dead") == []
     kept = s.show("binary")
     assert base64.b64decode(kept["raw_base64"]) == binary and kept["error"] == "not UTF-8 (byte 2)"

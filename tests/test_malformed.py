@@ -165,7 +165,7 @@ def test_a_purged_dead_file_keeps_the_reason_it_went_to_dead(fast_spool):
     _settled(s.drop("fixed.json", b'{"argv": "true"}'))
     s.work()
     (s.path / "dead" / "fixed.json").write_text('{"argv": ["true"]}')
-    assert s.run("purge", "--dead", "--older-than", "0").stdout.startswith("purged 1 ")
+    assert s.run("purge", "--dead", "--older-than", "0", "--yes").stdout.startswith("purged 1 ")
     shown = s.show("fixed")
     assert shown["state"] == "dead" and "argv must be a non-empty list" in shown["error"]
     assert os.listdir(s.path / "dead") == []

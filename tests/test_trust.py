@@ -256,7 +256,7 @@ def test_purge_never_copies_another_users_file_linked_into_dead_into_the_index(u
     assert _drop_as(users, users.evil, spool, "evils", {"command": "the untrusted user's bytes"}).returncode == 0
     assert users.spoolq(users.owner, "-s", str(spool), "work").returncode == 0
     for user in (users.owner, None):
-        run = users.spoolq(user, "-s", str(spool), "purge", "--dead", "--older-than", "0s")
+        run = users.spoolq(user, "-s", str(spool), "purge", "--dead", "--older-than", "0s", "--yes")
         assert run.returncode == 0, run.stderr
     assert secret.read_text() == "the out user's secret\n" and os.listdir(spool / "dead") == []
     index = (spool / "index.db").read_bytes()
