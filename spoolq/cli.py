@@ -492,6 +492,8 @@ def _summary(job: dict[str, Any]) -> str:
         line += "  [cancelled]"  # a done job is a success unless it says so (record.as_done)
     if job.get("abandoned"):
         line += f"  [{output.ABANDONED}]"
+    if job["state"] == "dead" and job.get("compacted"):
+        line += "  [purged into index.db]"
     return one_line(line)
 
 

@@ -315,13 +315,21 @@ class Spool(Views):
             return False
 
     def retry(self, job_id: str, check: bool = False, on_note: Callable[[str], None] | None = None) -> bool:
-        """Move a dead job back to new/ with a fresh round of attempts
-        (``check`` and ``on_note`` as for ``cancel``)."""
+        """Move a dead job back to new/ with a fresh round of attempts, also
+        one purged into index.db (``check`` and ``on_note`` as for ``cancel``)."""
         from . import transitions  # imported here: start-up speed (as in context())
 
         self._open()
         try:
-            transitions.retry(self.context(), job_id, on_note)
+            try:
+                transitions.retry(self.context(), job_id, on_note)
+            except transitions.JobNotFound:
+                index = self.index() if not id_problem(job_id) else None
+                if index is None or not index.has(job_id):
+                    raise
+                from .compact import retry_purged  # imported here: start-up speed (as the index)
+
+                retry_purged(self.context(), index, job_id, on_note)
             return True
         except (transitions.JobNotFound, transitions.NotPossible):
             if check:

@@ -100,7 +100,7 @@ class Views:
                 compacted, purged = index.count("done"), index.count("dead")
                 for state in ("dead", "done"):
                     if listed[state]:
-                        folded = index.present(listed[state])
+                        folded = index.present(listed[state], state)
                         listed[state] = [i for i in listed[state] if i not in folded]
         counts.update(dead=len(listed["dead"]), done=len(listed["done"]) + compacted, done_files=len(listed["done"]),
                       compacted=compacted, dead_purged=purged)
@@ -116,7 +116,8 @@ class Views:
         self, state: str | None = None, limit: int | None = None, since: float | None = None
     ) -> Iterator[dict[str, Any]]:
         """Records oldest first, by (due or finish time = file mtime, name).
-        ``state`` picks one folder; done includes compacted jobs."""
+        ``state`` picks one folder; done includes compacted jobs, dead the
+        ones purged into the index."""
         self._open()
         states = (state,) if state else STATES
         found = []
@@ -126,18 +127,28 @@ class Views:
                     continue
                 found.append((st.st_mtime_ns, name, st_name))
         found.sort()
-        index = self.index() if "done" in states else None
+        finished = tuple(s for s in ("done", "dead") if s in states)
+        index = self.index() if finished else None
         if index is None:
             yield from self._merged(found, iter(()), limit)
             return
         with index.snapshot():
-            # A done/ file whose row compaction has committed is listed
-            # once, from the index (see status).
-            done_ids = [id_of(name) for _, name, st_name in found if st_name == "done"]
-            folded = index.present(done_ids) if done_ids else set()
-            if folded:
-                found = [f for f in found if f[2] != "done" or id_of(f[1]) not in folded]
-            yield from self._merged(found, index.iter_done(since=since), limit, folded_later=self._folded_later)
+            # A done/ or dead/ file whose row compaction (or a purge) has
+            # committed is listed once, from the index (see status).
+            for st_ in finished:
+                ids = [id_of(name) for _, name, st_name in found if st_name == st_]
+                folded = index.present(ids, st_) if ids else set()
+                if folded:
+                    found = [f for f in found if f[2] != st_ or id_of(f[1]) not in folded]
+            rows = index.iter_finished(finished, since=since)
+            yield from self._merged(found, self._not_in_folders(rows), limit, folded_later=self._folded_later)
+
+    def _not_in_folders(self, rows: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        """The index's purged dead jobs but those back in a folder: a retry
+        of one that was killed before the index said so leaves both."""
+        for job in rows:
+            if job["state"] != "dead" or self.dir.find((file_name(job["id"]),), ("new", "cur", "failed", "done")) is None:
+                yield job
 
     def _folded_later(self, job_id: str) -> dict[str, Any] | None:
         """A job's compacted record, read past the snapshot a listing holds:
@@ -168,7 +179,7 @@ class Views:
             try:
                 job = self._read_record(st_name, name)
             except FileNotFoundError:
-                job = folded_later(id_of(name)) if folded_later is not None and st_name == "done" else None
+                job = folded_later(id_of(name)) if folded_later is not None and st_name in ("done", "dead") else None
                 if job is None:
                     continue
             yield job
