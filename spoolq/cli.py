@@ -7,7 +7,6 @@ Errors are one line on stderr.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -205,16 +204,15 @@ def enqueue(ctx, args, use_argv, kind, payload, job_json, jsonl, job_id, max_att
       spoolq enqueue '{"command": "true"}'     (one JSON object: the same as --json)
       spoolq enqueue --jsonl jobs.jsonl
     """
-    spool = _spool(ctx)
     args, use_argv, job_json = _command_form(args, use_argv, kind, job_json, jsonl)
     options = _job_options(ctx, payload, job_id, max_attempts, timeout, delay, at, env, cwd)
+    spool = _existing(ctx)  # a mistyped path must not become a spool no worker reads
     if jsonl is not None:
         if job_id is not None:
             fail("--id cannot apply to many jobs; put an id in each line", 2)
         jobs = [_cwd_here(fields) for fields in _read_jsonl(jsonl, options)]
         try:
-            with _creating(spool):
-                ids = spool.enqueue_many(jobs)
+            ids = spool.enqueue_many(jobs)
         except PartlyEnqueued as e:
             _print_ids(e.ids)  # these will run: a caller must not enqueue them again
             raise
@@ -224,8 +222,7 @@ def enqueue(ctx, args, use_argv, kind, payload, job_json, jsonl, job_id, max_att
         _print_ids(ids)
         return
     fields = _job_fields(args, use_argv, kind, job_json, options)
-    with _creating(spool):
-        job_id = spool.enqueue_job(_cwd_here(fields))
+    job_id = spool.enqueue_job(_cwd_here(fields))
     _print_ids([job_id])
 
 
@@ -328,21 +325,6 @@ def _job_fields(args, use_argv, kind, job_json, options: dict[str, Any]) -> dict
             fail("the command looks like a JSON job object; give it with --json", 2)
         fields = {"command": args[0], **options}
     return fields
-
-
-@contextlib.contextmanager
-def _creating(spool: Spool):
-    """Enqueueing makes a missing spool; it says so, or a mistyped -s or
-    $SPOOLQ_DIR would go unnoticed until someone wonders why jobs never run."""
-    fresh = not spool.dir.exists()
-    try:
-        yield
-    finally:
-        if fresh and spool.dir.exists():
-            try:
-                echo(f"spoolq: created a new spool at {one_line(spool.path)}", err=True)
-            except OSError:
-                pass  # stderr gone: the job is in all the same
 
 
 def _cwd_here(fields: dict[str, Any]) -> dict[str, Any]:
@@ -738,9 +720,9 @@ def bench(ctx, n, fsync, sections, true_jobs, scale_sizes, compare, as_json, kee
     bare-loop baselines. Runs in a scratch folder inside the spool, removed after."""
     from . import bench as benchmod  # imported here: start-up speed (only spoolq bench needs it)
 
-    spool = _spool(ctx)
+    spool = _existing(ctx)
     if fsync is None:
-        fsync = bool(spool.settings["fsync"]) if spool.dir.exists() else True
+        fsync = bool(spool.settings["fsync"])
     try:
         sizes = tuple(int(x) for x in scale_sizes.split(","))
     except ValueError:

@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 
 from .errors import ConfigError, DuplicateId, InvalidJob, NoSuchGroup, NotASpool, SpoolError
 from .ids import id_problem
-from .protocol import refuse_non_directory
+from .protocol import refuse_inside_spool, refuse_non_directory
 from .record import rfc3339
 
 LOGGER = "spoolq"  # the logger whose records the worker's log lines are
@@ -137,7 +137,11 @@ def _blocked_by(path: str) -> str | None:
 
 
 def require_spool(spool) -> None:
-    """Exit 1 with a hint when the path holds no spool."""
+    """Exit 1 with a hint when the path holds no spool, or lies inside one."""
+    try:
+        refuse_inside_spool(spool.path)
+    except SpoolError as e:
+        fail(str(e), 1)
     if spool.dir.exists():
         return
     refuse_non_directory(spool.path)
@@ -185,6 +189,14 @@ def show(spool, job_id: str, as_json: bool) -> None:
             echo(one_line(f"{key}: {value if isinstance(value, str) else dumps(value)}"))
     if job.get("abandoned"):
         echo(f"note: {ABANDONED}")
+    if job.get("waits_for_handler"):
+        echo(one_line(f"note: {waits_for_handler(job)}; no worker of this spool has one (spoolq work --app "
+                      "MODULE:ATTR, or spoolq config set app MODULE)"))
+
+
+def waits_for_handler(job: dict) -> str:
+    """What a waiting handler job that no worker can run waits for."""
+    return f"waits for a worker with a handler for kind {job.get('kind')}"
 
 
 def syslog_priority(levelno: int) -> int:

@@ -28,7 +28,7 @@ from typing import Callable, Iterator, NamedTuple
 
 from . import linux, procs
 from .owners import check_owner_file, swappable, user_name, writable_by_others  # noqa: F401 - importable from here too
-from .errors import Busy, Exists, Gone, NoSuchGroup, NotASpool, NotRegular, SpoolError  # noqa: F401 - importable from here too
+from .errors import Busy, Exists, Gone, InsideSpool, NoSuchGroup, NotASpool, NotRegular, SpoolError  # noqa: F401 - importable from here too
 from .ids import (  # noqa: F401 - importable from here too
     REASON_PREFIX,
     STAGED_PREFIX,
@@ -256,7 +256,9 @@ class SpoolDir:
     def init(self, group: str | None = None) -> list[tuple[str, int, int]]:
         """Create the layout (idempotent). With ``group``, a shared spool.
         Returns (path, old mode, new mode) for an existing root folder whose
-        mode it changed, for the caller to report."""
+        mode it changed, for the caller to report. Never inside another
+        spool (see refuse_inside_spool)."""
+        refuse_inside_spool(self.root)
         changed = make_layout(self.root, group)
         self._close_fds()
         self.open()
@@ -1503,6 +1505,28 @@ def _check_way_in(root: str, spool_owner: int) -> None:
     raise SpoolError(f"{root} is reached through {way}, which others can write (mode "
                      f"{stat.S_IMODE(st.st_mode):o}) and so swap; use a path through folders "
                      "only their owner can change")
+
+
+def is_layout(path: str) -> bool:
+    """Whether ``path`` holds a spool's folders (all of them: a Maildir,
+    with only tmp/ new/ cur/, is not a spool)."""
+    return all(os.path.isdir(os.path.join(path, folder)) for folder in ("new", "tmp") + STATES[1:])
+
+
+def refuse_inside_spool(path: str) -> None:
+    """InsideSpool when ``path`` lies inside a spool: in one of its folders,
+    or anywhere below its root but a dot-folder there (where ``spoolq
+    bench`` keeps its scratch spools). One stat per folder above ``path``
+    that is no spool."""
+    path = os.path.abspath(path)
+    below, parent = os.path.basename(path), os.path.dirname(path)
+    while below:
+        if not below.startswith(".") and is_layout(parent):
+            raise InsideSpool(path, parent, below if below in FOLDERS else None)
+        up = os.path.dirname(parent)
+        if up == parent:
+            return
+        below, parent = f"{os.path.basename(parent)}/{below}", up
 
 
 def refuse_non_directory(path: str) -> None:

@@ -28,8 +28,9 @@ def test_init_creates_private_layout_and_is_idempotent(tmp_path):
     assert sorted(os.listdir(s.path)) == sorted(["tmp", "workers", *STATES])
 
 
-def test_enqueue_creates_the_spool_on_demand(tmp_path):
+def test_enqueue_writes_a_private_job_file(tmp_path):
     s = SpoolFixture(tmp_path / "fresh")
+    s.run("init")
     job_id = s.enqueue("true")
     assert s.ids("new") == [job_id]
     assert stat.S_IMODE(os.stat(s.path / "new" / f"{job_id}.json").st_mode) == 0o600
@@ -41,6 +42,7 @@ def test_spool_from_environment(tmp_path):
     from conftest import SPOOLQ
 
     env = dict(os.environ, SPOOLQ_DIR=str(tmp_path / "envspool"))
+    subprocess.run(SPOOLQ + ["init"], env=env, capture_output=True, check=True)
     out = subprocess.run(SPOOLQ + ["enqueue", "true"], env=env, capture_output=True, text=True, check=True)
     assert (tmp_path / "envspool" / "new" / f"{out.stdout.strip()}.json").exists()
 
