@@ -438,7 +438,8 @@ def status(ctx, as_json, prometheus):
         echo(json.dumps(counts))
         return
     for state in ("new", "cur", "failed"):
-        echo(f"{state:<8}{counts[state]:>10}{_abandoned(counts['abandoned']) if state == 'cur' else ''}")
+        note = _abandoned(counts["abandoned"]) if state == "cur" else _unhandled(counts["unhandled"]) if state == "new" else ""
+        echo(one_line(f"{state:<8}{counts[state]:>10}{note}"))
     purged = f"  (and {counts['dead_purged']} purged into index.db)" if counts.get("dead_purged") else ""
     echo(f"{'dead':<8}{counts['dead']:>10}{purged}")
     echo(f"{'done':<8}{counts['done']:>10}  ({counts['done_files']} in done/, {counts['compacted']} compacted)")
@@ -461,6 +462,14 @@ def _abandoned(n: int) -> str:
     return f"  ({n} abandoned: their workers died; 'spoolq sweep' or the next worker recovers them)"
 
 
+def _unhandled(by_kind: dict[str, int]) -> str:
+    if not by_kind:
+        return ""
+    n = sum(by_kind.values())
+    kinds = ", ".join(f"{kind} {count}" for kind, count in sorted(by_kind.items()))
+    return f"  ({n} wait{'s' if n == 1 else ''} for a worker with a handler for {'its' if n == 1 else 'their'} kind: {kinds})"
+
+
 def _summary(job: dict[str, Any]) -> str:
     target = job.get("command") or (" ".join(job["argv"]) if job.get("argv") else None) or (
         f"kind={job['kind']}" if job.get("kind") else "")
@@ -476,6 +485,8 @@ def _summary(job: dict[str, Any]) -> str:
         line += f"  [{output.ABANDONED}]"
     if job["state"] == "dead" and job.get("compacted"):
         line += "  [purged into index.db]"
+    if job.get("waits_for_handler"):
+        line += f"  [{output.waits_for_handler(job)}]"
     return one_line(line)
 
 

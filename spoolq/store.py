@@ -18,7 +18,7 @@ from typing import Any, Callable, Protocol
 
 from . import recovery, transitions
 from .protocol import Entry, Scan
-from .registry import Registration
+from .registry import Registration, write_unhandled
 from .runner import Outcome
 from .waker import Waker
 from .watcher import make_waker
@@ -38,7 +38,8 @@ class Store(Protocol):
     durable: bool  # whether outcomes wait for a sync before they are logged (fsync on)
 
     def open(self) -> None: ...
-    def register(self) -> Registration: ...
+    def register(self, kinds: list[str]) -> Registration: ...
+    def note_unhandled(self, worker_id: str, kinds: list[str], waiting: dict[str, int]) -> None: ...
     def waker(self, poll: float | None, log: Any) -> Waker: ...
     def recover(self) -> tuple[recovery.RecoveryReport, int]: ...
     def scan(self, now_ns: int, limit: int) -> Scan: ...
@@ -79,10 +80,16 @@ class DirStore:
     def open(self) -> None:
         self.dir.open(create=True)
 
-    def register(self) -> Registration:
-        registration = Registration(self.dir)
+    def register(self, kinds: list[str]) -> Registration:
+        """This worker's registration, saying which handler kinds it runs."""
+        registration = Registration(self.dir, kinds=kinds)
         registration.open()
         return registration
+
+    def note_unhandled(self, worker_id: str, kinds: list[str], waiting: dict[str, int]) -> None:
+        """Tell status, list and show which due handler jobs wait for a
+        worker with a handler (see registry.write_unhandled)."""
+        write_unhandled(self.dir, worker_id, kinds, waiting)
 
     def waker(self, poll: float | None, log: Any) -> Waker:
         """What wakes a watching worker when jobs arrive: the folder watcher (or polling)."""

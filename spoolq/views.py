@@ -45,6 +45,10 @@ class Views:
             job = record.as_done(job)
         if state == "cur" and self.dir.is_locked("cur", name) is False:
             job["abandoned"] = True  # its worker died: nobody holds it (see protocol's header)
+        if state in ("new", "failed") and isinstance(job.get("kind"), str) and job.get("valid") is not False:
+            handled = self._handled()
+            if handled is not None and job["kind"] not in handled:
+                job["waits_for_handler"] = True  # no worker of this spool has one (see registry.handled_kinds)
         job["state"] = state
         job["file"] = os.path.join(self.path, state, name)
         if st is not None:
@@ -52,6 +56,17 @@ class Views:
             if state in ("new", "failed"):
                 job["due_at"] = record.rfc3339(st.st_mtime)
         return job
+
+    def _handled(self) -> set[str] | None:
+        """The handler kinds the spool's workers run, as they last said;
+        worked out once per command (None: no worker has said)."""
+        cached = getattr(self, "_handled_cache", False)
+        if cached is False:
+            from .registry import handled_kinds  # imported here: start-up speed (as in get())
+
+            said = handled_kinds(self.dir)
+            cached = self._handled_cache = said[0] if said is not None else None
+        return cached
 
     def get(self, job_id: str) -> dict[str, Any] | None:
         """The job's record as a dict with ``state`` set from where it is
@@ -107,10 +122,22 @@ class Views:
         from .registry import live_workers  # imported here: start-up speed (as in get())
 
         counts["abandoned"] = sum(self.dir.is_locked("cur", name) is False for name in self.dir.names("cur"))
-        counts["workers"] = [
-            {k: w.get(k) for k in ("worker", "host", "pid", "started_at", "jobs")} for w in live_workers(self.dir, on_problem)
-        ]
+        workers = live_workers(self.dir, on_problem)
+        counts["workers"] = [{k: w.get(k) for k in ("worker", "host", "pid", "started_at", "jobs", "kinds")} for w in workers]
+        counts["unhandled"] = self._unhandled(workers, counts["new"] + counts["failed"])
         return counts
+
+    def _unhandled(self, workers: list[dict[str, Any]], waiting: int) -> dict[str, int]:
+        """Due handler jobs that wait for a worker with a handler for their
+        kind, by kind, as the last worker to finish a pass counted them
+        (kinds a live worker runs left out: it will take them)."""
+        from .registry import read_unhandled  # imported here: start-up speed (as in get())
+
+        note = read_unhandled(self.dir) if waiting else None
+        if note is None:
+            return {}
+        live = {k for w in workers for k in (w.get("kinds") or []) if isinstance(k, str)}
+        return {str(k): min(n, waiting) for k, n in note["waiting"].items() if k not in live and n > 0}
 
     def list(
         self, state: str | None = None, limit: int | None = None, since: float | None = None

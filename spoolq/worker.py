@@ -251,6 +251,13 @@ class Worker:
         # come to say so. And the (name, time) already logged, to log each once.
         self._later_ns: int | None = None
         self._later_logged: set[tuple[str, int]] = set()
+        # Due handler jobs of a kind this worker has no handler for are left
+        # waiting, untouched, for a worker that has one: read once, then
+        # passed over by their (folder, name, due time) without a read,
+        # this pass's found ones kept for the next (see prepare).
+        self._foreign: dict[tuple[str, str, int], str] = {}
+        self._foreign_before: dict[tuple[str, str, int], str] = {}
+        self._foreign_told: set[str] = set()
         self._next_compact_ran = 0
         self._next_compact_time = 0.0
         self._default_limits: tuple[int, Limits] | None = None
@@ -356,7 +363,7 @@ class Worker:
                     old_handlers[sig] = signal.signal(sig, self._on_signal)
         try:
             store.open()
-            self.registration = store.register()
+            self.registration = store.register(sorted(self.handlers))
             self.registration.start_flusher()
         except BaseException:
             for sig, old in old_handlers.items():
@@ -482,6 +489,8 @@ class Worker:
         (or a moment, when another worker held a due file); False when a
         drain is over or the worker stops. Then compact if due."""
         self.strategy.idle()  # before pausing, compacting or scanning
+        if not first:
+            self._tell_unhandled()
         if self._pass_claims:
             self._busy_rounds = 0
         if not first and self._pass_claims == 0 and self._finished_since_scan == 0:
@@ -521,16 +530,63 @@ class Worker:
         # watchdog's inotify descriptor) is closed in every job's
         # process. Looked up once a pass, not once a job.
         self._spawn_closes = inheritable_fds()
+        self._foreign_before, self._foreign = self._foreign, {}
         scan = self.store.scan(time.time_ns(), self.tuning.scan_limit)
         self._next_due = scan.next_due_ns
         self.log.line(f"worker={self.wid} scan due={len(scan.due)}", 2)
         return scan.due
 
+    def foreign(self, entry: Entry) -> bool:
+        """Whether ``entry`` is a handler job this worker has no handler for,
+        as an earlier read found (this pass or the one before)."""
+        key = (entry.state, entry.name, entry.due_ns)
+        kind = self._foreign.get(key) or self._foreign_before.pop(key, None)
+        if kind is None:
+            return False
+        self._foreign[key] = kind
+        return True
+
+    def prepare(self, entry: Entry) -> Claimed | None:
+        """The store's prepare of a due entry (locked, read, validated), or
+        None; a handler job of a kind this worker has no handler for is let
+        go at once, before any attempt counts, and remembered so that later
+        passes skip it unread (see foreign)."""
+        if self.foreign(entry):
+            return None
+        key = (entry.state, entry.name, entry.due_ns)
+        ready = self.store.prepare(entry, time.time_ns(), self.on_quarantine, self.on_busy, self.on_later)
+        if ready is not None:
+            kind = ready.job.get("kind")
+            if kind is not None and kind not in self.handlers:
+                self.store.release(ready)
+                self._foreign[key] = kind
+                return None
+        return ready
+
+    def _tell_unhandled(self) -> None:
+        """After a pass: log each kind left waiting for want of a handler
+        (once per worker), and leave the counts for status, list and show."""
+        waiting: dict[str, int] = {}
+        for kind in self._foreign.values():
+            waiting[kind] = waiting.get(kind, 0) + 1
+        for kind in sorted(set(waiting) - self._foreign_told):
+            self._foreign_told.add(kind)
+            self.log.line(f"worker={self.wid} kind={field(kind)} waiting={waiting[kind]} left waiting: this worker has no "
+                          "handler for that kind (spoolq work --app MODULE:ATTR, or spoolq config set app MODULE)", 1,
+                          logging.WARNING)
+        try:
+            self.store.note_unhandled(self.wid, sorted(self.handlers), waiting)
+        except Exception as e:  # only a note for status: never stop the worker for it
+            self.log.line(f"worker={self.wid} cannot write workers/.unhandled: {e}", 2)
+
     def _claim(self, entry: Entry) -> Claimed | None:
+        if self._foreign_before or self._foreign:
+            if self.foreign(entry):
+                return None  # (the look-ahead may have passed over it to the next job)
         try:
             hit, claimed = self.strategy.claim_ahead(entry)  # prepared while the last job ran
             if not hit:
-                claimed = self.store.prepare(entry, time.time_ns(), self.on_quarantine, self.on_busy, self.on_later)
+                claimed = self.prepare(entry)
                 if claimed is not None:
                     claimed = self.store.take(claimed, time.time_ns(), self.on_quarantine)
         except Exception as e:  # a claim never takes the worker down; the file stays put
