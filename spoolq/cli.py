@@ -393,7 +393,7 @@ def _read_jsonl(source: str, options: dict[str, Any]):
 @click.option("-j", "--jobs", type=click.IntRange(min=1), default=1, show_default=True, help="Jobs to run at once.")
 @click.option("--max-jobs", type=click.IntRange(min=0), help="Stop after claiming this many jobs (0: only recover).")
 @click.option("--max-time", callback=_duration, metavar="DURATION", help="Stop claiming after this long.")
-@click.option("--app", metavar="MODULE:ATTR", help="A mapping of kind to handler function.")
+@click.option("--app", metavar="MODULE:ATTR", help="A mapping of kind to handler function (default: the app setting).")
 @click.option("--watch", is_flag=True, help="Keep running and wake on new files.")
 @click.option("--poll", type=Seconds(min=0.01), metavar="SECONDS",
               help="Watch by rescanning every SECONDS (no inotify; for network filesystems). Implies --watch.")
@@ -403,15 +403,16 @@ def _read_jsonl(source: str, options: dict[str, Any]):
 def work(ctx, jobs, max_jobs, max_time, app, watch, poll, quiet, verbose):
     """Recover, then run due jobs until none is due (or forever with --watch)."""
     spool = _spool(ctx)
+    output.require_spool(spool)  # a mistyped path must not become an empty spool that is watched forever
     handlers = {}
-    if app:
+    setting = spool.default_app() if not app else None
+    if app or setting:
         try:
-            handlers = load_app(app)
+            handlers = load_app(app or setting)
         except ValueError as e:
-            fail(str(e), 2)
+            fail(f"the app setting: {e}" if setting else str(e), 2)
     output.log_to_stderr()
     log = output.Log(level=0 if quiet else 2 if verbose else 1)
-    output.require_spool(spool)  # a mistyped path must not become an empty spool that is watched forever
     result = spool.work(handlers=handlers, jobs=jobs, max_jobs=max_jobs, max_time=max_time,
                         watch=watch or poll is not None, poll=poll, log=log, processes=True)
     output.log_what_waits(spool.dir, log)

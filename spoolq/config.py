@@ -12,6 +12,7 @@ import errno
 import json
 import math
 import os
+import re
 import stat
 from typing import Any
 
@@ -35,6 +36,7 @@ DEFAULTS: dict[str, Any] = {
     "root_handlers": False,
     "compact_after": 10000,
     "rescan_interval": 30,
+    "app": "",
 }
 
 HELP = {
@@ -53,7 +55,10 @@ HELP = {
     "root_handlers": "a root worker runs handler jobs whose file root does not own (as root; only when root sets it)",
     "compact_after": "fold done/ into index.db when it holds more files (0 = never)",
     "rescan_interval": "seconds between full rescans in watch mode",
+    "app": "the handlers every worker loads when --app is not given (MODULE:ATTR, or MODULE for MODULE:HANDLERS)",
 }
+
+_APP_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*(:[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*)?\Z")
 
 
 # Durations are capped at ten years, as a job's timeout is: a due time or a
@@ -164,6 +169,18 @@ def _kinds(key: str, value: Any) -> list[str]:
     return list(value)
 
 
+def _app(key: str, value: Any) -> str:
+    """A handler module as ``--app`` takes it: MODULE:ATTR, or MODULE alone
+    (its HANDLERS); empty for none. Checked for its form only: importing
+    it is the worker's, as the user the worker runs as."""
+    if not isinstance(value, str):
+        raise ConfigError(f"{key} must be MODULE:ATTR (like myapp.jobs:HANDLERS), not {value!r}")
+    value = value.strip()
+    if value and not _APP_RE.match(value):
+        raise ConfigError(f"{key} must be MODULE:ATTR (like myapp.jobs:HANDLERS), not {value!r}")
+    return value
+
+
 def check(key: str, value: Any, stored: bool = False) -> Any:
     """Validate one setting and return it in its stored type. ``stored``:
     read from config.json, where a duration beyond the cap (written before
@@ -189,6 +206,8 @@ def check(key: str, value: Any, stored: bool = False) -> Any:
         return _kinds(key, value)
     if key == "trusted_users":
         return _users(key, value, stored)
+    if key == "app":
+        return _app(key, value)
     raise AssertionError(key)
 
 

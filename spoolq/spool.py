@@ -84,6 +84,18 @@ class Spool(Views):
     def config_list(self) -> dict[str, Any]:
         return dict(self.settings)
 
+    def default_app(self) -> str | None:
+        """The handlers a worker loads when it is given none (the ``app``
+        setting), or None. A root worker takes it only from a config.json
+        root owns: importing a module runs its code, as root."""
+        app = self.settings["app"]
+        if not app:
+            return None
+        if os.geteuid() == 0 and not self.settings.set_by_root:
+            raise SpoolError(f"the app setting ({app}) is in a config.json that root does not own, so a root worker does "
+                             "not import it; give --app, or set it as root")
+        return app
+
     def context(self):
         """The transition context (settings, trust, index look-ups)."""
         from .transitions import Context  # imported here: start-up speed (transitions pulls in the runner and subprocess)
@@ -441,9 +453,11 @@ def load_app(spec: str) -> dict[str, Callable[[Any], Any]]:
     import importlib
     import sys
 
-    module_name, _, attr = spec.partition(":")
+    module_name, colon, attr = spec.partition(":")
+    if not colon:
+        attr = "HANDLERS"  # `--app myapp.jobs`: the module's HANDLERS
     if not module_name or not attr:
-        raise ValueError(f"--app must be MODULE:ATTR, not {spec!r}")
+        raise ValueError(f"--app must be MODULE:ATTR (or MODULE, for MODULE:HANDLERS), not {spec!r}")
     cwd = os.getcwd()
     unsafe = _writable_by_others(cwd)
     if unsafe is None:

@@ -238,7 +238,7 @@ def test_app_loading_errors_are_one_line(tmp_path):
     (tmp_path / "badhandler.py").write_text("HANDLERS = {'x': 5}\n")
     for spec, message in [("nomodule:X", "cannot import nomodule"), ("notmapping:HANDLERS", "must be a mapping"),
                           ("notmapping:MISSING", "has no attribute"), ("badhandler:HANDLERS", "not callable"),
-                          ("nocolon", "MODULE:ATTR")]:
+                          ("nocolon", "cannot import nocolon"), ("nocolon:", "MODULE:ATTR")]:
         proc = s.run("work", "--app", spec, cwd=str(tmp_path), check=False)
         assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, spec
 
