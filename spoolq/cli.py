@@ -710,9 +710,22 @@ def config_get(ctx, key):
 @click.argument("value")
 @click.pass_context
 def config_set(ctx, key, value):
-    """Store a setting (validated)."""
-    stored = _existing(ctx).config_set(key, value)
+    """Store a setting (validated; repairs a config.json that does not parse)."""
+    stored = _existing(ctx).config_set(key, value, on_dropped=_warn)
     echo(f"{key} = {json.dumps(stored)}")
+
+
+@config_group.command(name="unset")
+@click.argument("key")
+@click.pass_context
+def config_unset(ctx, key):
+    """Remove a setting: its default applies again (also repairs config.json)."""
+    spool = _existing(ctx)
+    held = spool.config_unset(key, on_dropped=_warn)
+    default = spool.config_default(key)
+    echo(f"unset {key}" if held else f"{key} was not set")
+    if default is not None:
+        echo(f"{key} = {json.dumps(default)} (the default)")
 
 
 @cli.command()

@@ -272,6 +272,9 @@ def read_owned(path: str) -> tuple[bytes, int]:
         os.close(fd)
 
 
+REPAIR = "spoolq config set KEY VALUE writes a valid one, keeping the settings it can read"
+
+
 def load(root: str, owner: list[int] | None = None) -> dict[str, Any]:
     """The spool's settings: config.json over the defaults. A broken file is
     an error (a worker must not run with settings nobody chose). ``owner``
@@ -291,14 +294,14 @@ def load(root: str, owner: list[int] | None = None) -> dict[str, Any]:
     try:
         stored = json.loads(raw or b"{}")
     except ValueError as e:
-        raise ConfigError(f"{path} is not valid JSON: {e}") from None
+        raise ConfigError(f"{path} is not valid JSON: {e} ({REPAIR})") from None
     if not isinstance(stored, dict):
-        raise ConfigError(f"{path} must hold a JSON object")
+        raise ConfigError(f"{path} must hold a JSON object ({REPAIR})")
     for key, value in stored.items():
         try:
             settings[key] = check(key, value, stored=True)
         except ConfigError as e:
-            raise ConfigError(f"{path}: {e}") from None
+            raise ConfigError(f"{path}: {e}; spoolq config unset {key} removes it") from None
     return settings
 
 
@@ -339,20 +342,33 @@ class Settings(dict):
             callback(self)
 
 
-def read_stored(root: str) -> dict[str, Any]:
-    """Only the settings written in config.json (no defaults)."""
+def read_stored(root: str) -> tuple[dict[str, Any], bytes, dict[str | None, str]]:
+    """Only the settings written in config.json (no defaults), for a change
+    of them: (every setting that could be read, the file's bytes, what
+    could not be: key (None: the whole file) -> why). A file that does not parse, unknown
+    keys and bad values are dropped, so that ``config set`` and ``config
+    unset`` can always write a valid file; a file that is not a regular
+    file of the spool's owner is still refused (ConfigError)."""
     path = os.path.join(root, "config.json")
     try:
         raw = read_file(path)
     except FileNotFoundError:
-        return {}
+        return {}, b"", {}
     try:
         stored = json.loads(raw or b"{}")
-    except ValueError as e:
-        raise ConfigError(f"{path} is not valid JSON: {e}") from None
+    except (ValueError, RecursionError) as e:
+        return {}, raw, {None: f"it is not valid JSON ({e})"}
     if not isinstance(stored, dict):
-        raise ConfigError(f"{path} must hold a JSON object")
-    return stored
+        return {}, raw, {None: "it is not a JSON object"}
+    kept, dropped = {}, {}
+    for key, value in stored.items():
+        try:
+            check(key, value, stored=True)
+        except ConfigError as e:
+            dropped[key] = f"{key} = {json.dumps(value)[:60]} ({e})"
+            continue
+        kept[key] = value
+    return kept, raw, dropped
 
 
 def dumps(stored: dict[str, Any]) -> bytes:

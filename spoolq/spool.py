@@ -64,22 +64,56 @@ class Spool(Views):
             config.check(key, None)  # raises the unknown-key error
         return self.settings[key]
 
-    def config_set(self, key: str, value: Any) -> Any:
-        """Validate and store one setting; returns the stored value."""
+    def config_set(self, key: str, value: Any, on_dropped: Callable[[str], None] | None = None) -> Any:
+        """Validate and store one setting; returns the stored value. A
+        config.json that does not parse, or holds unknown keys or bad
+        values, is repaired on the way: see _change_config."""
         checked = config.check(key, value)
+        self._change_config(lambda stored: stored.__setitem__(key, checked), on_dropped)
+        return checked
+
+    def config_unset(self, key: str, on_dropped: Callable[[str], None] | None = None) -> bool:
+        """Remove one setting from config.json (its default applies again),
+        also one spoolq does not know; repairs the file as ``config_set``
+        does. Returns whether the file held it."""
+        held = self._change_config(lambda stored: stored.pop(key, None), on_dropped, unset=key)
+        if not held and key not in config.DEFAULTS:
+            config.check(key, None)  # raises the unknown-key error: a typo, not a setting to remove
+        return held
+
+    def _change_config(self, change: Callable[[dict[str, Any]], Any], on_dropped: Callable[[str], None] | None,
+                       unset: str | None = None) -> bool:
+        """Change config.json by ``change(stored settings)``. What of the
+        file cannot be read (it does not parse, an unknown key, a bad value)
+        is dropped and told to ``on_dropped``, the old file kept beside it
+        as config.json.bad, so that a setting can always be repaired."""
         try:
             self._open(create=True)
         except config.ConfigError:
-            # A bad value in config.json is what may be being repaired: open
-            # the folders without the settings (the file is then written
-            # with fsync, the default).
+            # A bad config.json is what may be being repaired: open the
+            # folders without the settings (the file is then written with
+            # fsync, the default).
             self.dir.open(create=True)
         self.dir.require_owner("change its settings")
-        stored = config.read_stored(self.path)
-        stored[key] = checked
-        self.dir.replace_file(None, "config.json", config.dumps(stored))
+        stored, raw, dropped = config.read_stored(self.path)
+        # The key being unset goes anyway, known or not: no need to say so.
+        held = unset is not None and (unset in stored or dropped.pop(unset, None) is not None)
+        before = dict(stored)
+        change(stored)
+        if dropped:
+            self.dir.replace_file(None, "config.json.bad", raw)
+            if on_dropped:
+                for key, why in dropped.items():
+                    on_dropped(f"config.json: dropped {'the whole file: ' + why if key is None else why}")
+                on_dropped(f"config.json: the old file is kept as {os.path.join(self.path, 'config.json.bad')}")
+        if dropped or stored != before or held:
+            self.dir.replace_file(None, "config.json", config.dumps(stored))
         self._settings.loaded = False  # read again when next needed
-        return checked
+        return held
+
+    def config_default(self, key: str) -> Any:
+        """A setting's default (None for a key spoolq does not know)."""
+        return config.DEFAULTS.get(key)
 
     def config_list(self) -> dict[str, Any]:
         return dict(self.settings)
