@@ -20,6 +20,7 @@ from . import output, record
 from .errors import JobNotFound, NotPossible
 from .output import dumps, echo, fail, one_line
 from .spool import PartlyEnqueued, Spool, load_app
+from .words import did_you_mean
 
 STATE_CHOICE = click.Choice(["new", "cur", "failed", "dead", "done"])
 
@@ -85,6 +86,15 @@ def _json_arg(text: str, what: str) -> Any:
 _NO_ARGS_IS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())
 
 
+def _near_option(error: click.UsageError) -> str:
+    """A "did you mean" for an unknown option that click's own spelling
+    check finds nothing for (``--retries`` for ``--max-attempts``)."""
+    if not isinstance(error, click.NoSuchOption) or error.possibilities or error.ctx is None:
+        return ""
+    names = [opt for param in error.ctx.command.params for opt in param.opts if opt.startswith("--")]
+    return did_you_mean(error.option_name, names, quote=True).replace(" (did", " Did").replace("?)", "?")
+
+
 class SpoolGroup(click.Group):
     """Turns the core's exceptions into one-line messages and exit codes."""
 
@@ -99,7 +109,7 @@ class SpoolGroup(click.Group):
             sys.exit(e.exit_code)
         except click.UsageError as e:
             where = e.ctx.command_path if e.ctx is not None else "spoolq"
-            fail(f"{e.format_message()} (see '{where} --help')", e.exit_code)
+            fail(f"{e.format_message()}{_near_option(e)} (see '{where} --help')", e.exit_code)
         except click.ClickException as e:
             fail(e.format_message(), e.exit_code)
         except click.Abort:
@@ -711,8 +721,9 @@ def config_get(ctx, key):
 @click.pass_context
 def config_set(ctx, key, value):
     """Store a setting (validated; repairs a config.json that does not parse)."""
-    stored = _existing(ctx).config_set(key, value, on_dropped=_warn)
-    echo(f"{key} = {json.dumps(stored)}")
+    spool = _existing(ctx)
+    stored = spool.config_set(key, value, on_dropped=_warn)
+    echo(f"{spool.setting_name(key)} = {json.dumps(stored)}")
 
 
 @config_group.command(name="unset")
@@ -721,7 +732,7 @@ def config_set(ctx, key, value):
 def config_unset(ctx, key):
     """Remove a setting: its default applies again (also repairs config.json)."""
     spool = _existing(ctx)
-    held = spool.config_unset(key, on_dropped=_warn)
+    held, key = spool.config_unset(key, on_dropped=_warn)
     default = spool.config_default(key)
     echo(f"unset {key}" if held else f"{key} was not set")
     if default is not None:

@@ -19,6 +19,7 @@ from typing import Any
 from .errors import ConfigError, SpoolError  # noqa: F401 - importable from here too
 from .owners import check_owner_file
 from .record import MAX_TIMEOUT, parse_duration
+from .words import did_you_mean
 
 DEFAULTS: dict[str, Any] = {
     "max_attempts": 5,
@@ -181,13 +182,29 @@ def _app(key: str, value: Any) -> str:
     return value
 
 
+def unknown(key: str) -> str:
+    """The error for a setting spoolq does not know, with the one most
+    likely meant, or else all of them."""
+    hint = did_you_mean(key, DEFAULTS)
+    if hint:
+        return f"unknown setting {key!r}{hint}"
+    return f"unknown setting {key!r} (known: {', '.join(sorted(DEFAULTS))})"
+
+
+def setting_name(key: str) -> str:
+    """A setting's name as a command gives it: dashes count as underscores
+    (``max-attempts``); config.json itself spells them as they are."""
+    if key not in DEFAULTS and key.replace("-", "_") in DEFAULTS:
+        return key.replace("-", "_")
+    return key
+
+
 def check(key: str, value: Any, stored: bool = False) -> Any:
     """Validate one setting and return it in its stored type. ``stored``:
     read from config.json, where a duration beyond the cap (written before
     there was one) is taken as the cap rather than refused."""
     if key not in DEFAULTS:
-        known = ", ".join(sorted(DEFAULTS))
-        raise ConfigError(f"unknown setting {key!r} (known: {known})")
+        raise ConfigError(unknown(key))
     if key == "max_attempts":
         return _number(key, value, 1, integer=True)
     if key in ("output_limit", "compact_after"):

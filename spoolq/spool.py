@@ -60,6 +60,7 @@ class Spool(Views):
         self.dir.fsync = bool(settings["fsync"])
 
     def config_get(self, key: str) -> Any:
+        key = config.setting_name(key)
         if key not in config.DEFAULTS:
             config.check(key, None)  # raises the unknown-key error
         return self.settings[key]
@@ -68,18 +69,23 @@ class Spool(Views):
         """Validate and store one setting; returns the stored value. A
         config.json that does not parse, or holds unknown keys or bad
         values, is repaired on the way: see _change_config."""
+        key = config.setting_name(key)
         checked = config.check(key, value)
         self._change_config(lambda stored: stored.__setitem__(key, checked), on_dropped)
         return checked
 
-    def config_unset(self, key: str, on_dropped: Callable[[str], None] | None = None) -> bool:
+    def config_unset(self, key: str, on_dropped: Callable[[str], None] | None = None) -> tuple[bool, str]:
         """Remove one setting from config.json (its default applies again),
         also one spoolq does not know; repairs the file as ``config_set``
-        does. Returns whether the file held it."""
+        does. Returns whether the file held it, and the name it went by
+        (``max-attempts`` is ``max_attempts`` unless the file has it so)."""
         held = self._change_config(lambda stored: stored.pop(key, None), on_dropped, unset=key)
+        if not held and config.setting_name(key) != key:  # `max-attempts`, as a command spells it
+            key = config.setting_name(key)
+            held = self._change_config(lambda stored: stored.pop(key, None), on_dropped, unset=key)
         if not held and key not in config.DEFAULTS:
             config.check(key, None)  # raises the unknown-key error: a typo, not a setting to remove
-        return held
+        return held, key
 
     def _change_config(self, change: Callable[[dict[str, Any]], Any], on_dropped: Callable[[str], None] | None,
                        unset: str | None = None) -> bool:
@@ -110,6 +116,10 @@ class Spool(Views):
             self.dir.replace_file(None, "config.json", config.dumps(stored))
         self._settings.loaded = False  # read again when next needed
         return held
+
+    def setting_name(self, key: str) -> str:
+        """A setting's name as a command may spell it, as config.json does."""
+        return config.setting_name(key)
 
     def config_default(self, key: str) -> Any:
         """A setting's default (None for a key spoolq does not know)."""
