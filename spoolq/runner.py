@@ -540,6 +540,7 @@ class _Exec:
         else:
             # "--": a command starting with "-" is the command, not options to sh.
             argv = ["/bin/sh", "-c", "--", job["command"]]
+        cwd = None
         try:
             stdin = self.stdin if self.stdin is not None else _stdin_devnull()
             home = default_cwd() if plan.user is None else home_of(plan.user)
@@ -549,6 +550,10 @@ class _Exec:
         except OSError as e:
             where = f": {e.filename}" if e.filename else ""
             out.error = f"cannot start: {e.strerror or e}{where}"
+            if e.filename == cwd and e.errno in (errno.ENOENT, errno.ENOTDIR):
+                # A directory that is not there does not come back by retrying.
+                out.permanent = True
+                out.error = f"cannot start: its working directory {cwd} {'does not exist' if e.errno == errno.ENOENT else 'is not a directory'}"
         except ValueError as e:  # e.g. an embedded NUL that slipped through
             out.error = f"cannot start: {e}"
         return None

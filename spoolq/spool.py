@@ -172,9 +172,14 @@ class Spool(Views):
             if problem:
                 raise InvalidJob(problem)
         cwd = fields.get("cwd")
-        if isinstance(cwd, str) and cwd and not os.path.isabs(cwd):
-            # Relative to the enqueuer's directory: a worker runs elsewhere.
-            fields["cwd"] = os.path.abspath(cwd)
+        if isinstance(cwd, str) and cwd and "\x00" not in cwd:
+            if not os.path.isabs(cwd):
+                # Relative to the enqueuer's directory: a worker runs elsewhere.
+                fields["cwd"] = os.path.abspath(cwd)
+            if fields.get("kind") is None and not os.path.isdir(fields["cwd"]):
+                # Caught now, not five retries later: a missing directory does not come back.
+                what = "is not a directory" if os.path.exists(fields["cwd"]) else "does not exist"
+                raise InvalidJob(f"cwd {fields['cwd']} {what}")
         run_at = fields.get("run_at")
         mtime_ns = None
         if run_at is not None:
