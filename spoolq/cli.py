@@ -62,6 +62,8 @@ def _history_duration(ctx, param, value):
 
 # A compact or purge that reaches jobs finished this recently asks for --yes.
 RECENT = 86400
+# An --at further in the past than this is noted (`date +%s` a moment ago is not).
+PAST_NOTED = 60
 
 
 def _given(ctx, name: str) -> str:
@@ -297,6 +299,8 @@ def _job_options(ctx, payload, job_id, max_attempts, timeout, delay, at, env, cw
             options["run_at"] = record.parse_time(at)
         except ValueError as e:
             fail(f"--at: {e}", 2)
+        if options["run_at"] < time.time() - PAST_NOTED:
+            _note(f"--at {at} is in the past ({record.rfc3339(options['run_at'])[:19]}Z): the job is due now")
     if env:
         pairs = {}
         for item in env:

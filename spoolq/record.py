@@ -89,7 +89,12 @@ def parse_time(value: Any) -> float:
         raise ValueError("a time must be RFC 3339 or epoch seconds, not a boolean")
     if isinstance(value, (int, float)):
         if not 0 <= value <= MAX_EPOCH:  # also nan and inf; an int of any size (isfinite would overflow)
-            raise ValueError(f"{repr(value)[:40]} is not a valid epoch time (0 to {MAX_EPOCH})")
+            hint = ""
+            if MAX_EPOCH < value <= MAX_EPOCH * 1000:
+                seconds = int(value // 1000)
+                hint = (f"; it looks like milliseconds: epoch times are in seconds ({seconds} is "
+                        f"{rfc3339(seconds)[:19]}Z)")
+            raise ValueError(f"{repr(value)[:40]} is not a valid epoch time (0 to {MAX_EPOCH}){hint}")
         return float(value)
     if isinstance(value, str):
         text = value.strip()
@@ -98,7 +103,7 @@ def parse_time(value: Any) -> float:
         except ValueError:
             pass
         else:
-            return parse_time(number)
+            return parse_time(int(text) if text.isdigit() and len(text) < 40 else number)  # named as given: 1769850000000, not 1.76985e+12
         if not _RFC3339_RE.match(text):
             raise ValueError(f"{value!r} is not an RFC 3339 time with an offset (like 2026-01-31T09:00:00Z) or epoch seconds")
         text = text[:-1] + "+00:00" if text[-1] in "Zz" else text

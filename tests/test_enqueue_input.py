@@ -34,3 +34,20 @@ def test_a_working_directory_that_is_not_there_is_refused_or_dead_at_once(fast_s
         job = s.show(job_id)
         assert (job["state"], job["attempts"]) == ("dead", 1), job  # at once: retrying brings no directory back
         assert job["error"] == f"cannot start: its working directory {where} does not exist"
+
+
+def test_at_in_the_past_is_noted_and_milliseconds_get_a_hint(fast_spool):
+    s = fast_spool
+    proc = s.run("enqueue", "--at", "2020-01-01T00:00:00Z", "true")
+    assert proc.stderr == ("spoolq: note: --at 2020-01-01T00:00:00Z is in the past (2020-01-01T00:00:00Z): "
+                           "the job is due now\n")
+    assert s.ids("new") == [proc.stdout.strip()]
+    now = s.run("enqueue", "--at", str(int(time.time())), "true")
+    assert now.stderr == ""
+    ms = s.run("enqueue", "--at", "1769850000000", "true", check=False)
+    assert ms.returncode == 2 and ms.stderr == (
+        "spoolq: --at: 1769850000000 is not a valid epoch time (0 to 7258118400); it looks like milliseconds: "
+        "epoch times are in seconds (1769850000 is 2026-01-31T09:00:00Z)\n")
+    s.drop("ms.json", '{"command": "true", "run_at": 1769850000000}')
+    s.work()
+    assert "it looks like milliseconds" in s.show("ms")["error"]
