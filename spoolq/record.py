@@ -20,11 +20,14 @@ from typing import Any
 
 from .errors import Incomplete, InvalidJob  # noqa: F401 - importable from here too
 from .ids import id_problem
+from .words import did_you_mean
 
 MAX_EPOCH = 7258118400  # 2200-01-01T00:00:00Z: far later, mtimes in nanoseconds overflow 64 bits
 MAX_TIMEOUT = 10 * 365 * 86400  # ten years: beyond it select() and timers overflow
 
 TARGETS = ("command", "argv", "kind")
+# The fields a producer writes (see SPOOLQ_FIELDS for spoolq's own).
+PRODUCER_FIELDS = TARGETS + ("payload", "id", "max_attempts", "timeout", "run_at", "env", "cwd")
 
 
 # --------------------------------------------------------------------------
@@ -177,8 +180,23 @@ def _no_nul(text: str, what: str) -> None:
 
 
 def validate(job: dict, name_id: str | None = None) -> None:
-    """Raise InvalidJob with the reason if ``job`` can never run.
-    (``name_id``: the id of the file name, already checked by the caller.)"""
+    """Raise InvalidJob with the reason if ``job`` can never run, naming
+    each field it has that spoolq does not know, with the one most likely
+    meant (``cmd`` for ``command``): that is most often why. (``name_id``:
+    the id of the file name, already checked by the caller.) Unknown fields
+    in a job that can run are kept, and not a problem."""
+    try:
+        _validate(job, name_id)
+    except InvalidJob as e:
+        unknown = [f"unknown field {key[:40]!r}{did_you_mean(key, PRODUCER_FIELDS, quote=True)}"
+                   for key in job if key not in PRODUCER_FIELDS and key not in SPOOLQ_FIELDS]
+        if not unknown:
+            raise
+        more = f"; and {len(unknown) - 5} more unknown fields" if len(unknown) > 5 else ""
+        raise InvalidJob(f"{e}; {'; '.join(unknown[:5])}{more}") from None
+
+
+def _validate(job: dict, name_id: str | None) -> None:
     present = (job.get("command") is not None) + (job.get("argv") is not None) + (job.get("kind") is not None)
     if present != 1:
         targets = [f for f in TARGETS if job.get(f) is not None]

@@ -51,3 +51,17 @@ def test_at_in_the_past_is_noted_and_milliseconds_get_a_hint(fast_spool):
     s.drop("ms.json", '{"command": "true", "run_at": 1769850000000}')
     s.work()
     assert "it looks like milliseconds" in s.show("ms")["error"]
+
+
+def test_a_job_dead_for_a_missing_or_wrong_field_names_the_fields_it_does_not_know(fast_spool):
+    s = fast_spool
+    s.drop("typo.json", '{"cmd": "true", "timout": 5}')
+    s.drop("wrong.json", '{"command": 5, "args": ["x"]}')
+    s.drop("fine.json", '{"command": "true", "colour": "blue"}')  # unknown fields in a valid job are kept
+    s.work()
+    assert s.show("typo")["error"] == ("a job needs exactly one of command, argv or kind; it has none; unknown field "
+                                       "'cmd' (did you mean 'command'?); unknown field 'timout' (did you mean 'timeout'?)")
+    assert s.show("wrong")["error"] == "command must be a non-empty string; unknown field 'args' (did you mean 'argv'?)"
+    assert s.show("fine")["state"] == "done" and s.show("fine")["colour"] == "blue"
+    proc = s.run("enqueue", "--json", '{"cmd": "true"}', check=False)
+    assert proc.returncode == 2 and "unknown field 'cmd' (did you mean 'command'?)" in proc.stderr
