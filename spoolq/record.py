@@ -174,9 +174,21 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and (isinstance(v, int) or math.isfinite(v))
 
 
-def _no_nul(text: str, what: str) -> None:
+def _text(text: str, what: str) -> None:
+    """What a job runs is text: no NUL (no C string holds it), and valid
+    UTF-8, as JSON is. A byte that is not UTF-8, which a shell's argument
+    may hold, becomes a lone surrogate in a Python string (\udcff) and can
+    be written in JSON as such an escape; refused in every such field, by
+    ``spoolq enqueue`` and the worker alike (and by contrib/spoolq-drop)."""
     if "\x00" in text:
         raise InvalidJob(f"{what} contains a NUL character")
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            c = ord(text[e.start])
+            what_char = f"the byte 0x{c - 0xDC00:02x}" if 0xDC80 <= c <= 0xDCFF else f"a lone surrogate U+{c:04X}"
+            raise InvalidJob(f"{what} is not valid UTF-8 ({what_char} at character {e.start})") from None
 
 
 def validate(job: dict, name_id: str | None = None) -> None:
@@ -207,7 +219,7 @@ def _validate(job: dict, name_id: str | None) -> None:
     if command is not None:
         if not isinstance(command, str) or not command.strip():
             raise InvalidJob("command must be a non-empty string")
-        _no_nul(command, "command")
+        _text(command, "command")
     argv = job.get("argv")
     if argv is not None:
         if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
@@ -215,7 +227,7 @@ def _validate(job: dict, name_id: str | None) -> None:
         if not argv[0]:
             raise InvalidJob("argv[0] must not be empty")
         for a in argv:
-            _no_nul(a, "argv")
+            _text(a, "argv")
     kind = job.get("kind")
     if kind is not None and (not isinstance(kind, str) or not kind):
         raise InvalidJob("kind must be a non-empty string")
@@ -244,7 +256,7 @@ def _validate(job: dict, name_id: str | None) -> None:
     if cwd is not None:
         if not isinstance(cwd, str) or not cwd:
             raise InvalidJob("cwd must be a non-empty string")
-        _no_nul(cwd, "cwd")
+        _text(cwd, "cwd")
     attempts = job.get("attempts")
     if attempts is not None and (not isinstance(attempts, int) or isinstance(attempts, bool) or attempts < 0):
         raise InvalidJob(f"attempts must be an integer >= 0, not {attempts!r}")
@@ -263,8 +275,8 @@ def _validate_env(env: Any) -> None:
             raise InvalidJob(f"env[{k!r}] must be a string, not {type(v).__name__}")
         if not k or "=" in k:
             raise InvalidJob(f"env name {k!r} is empty or contains '='")
-        _no_nul(k, "env")
-        _no_nul(v, "env")
+        _text(k, "env")
+        _text(v, "env")
 
 
 # Fields spoolq writes into a record as it runs the job (the rest are the

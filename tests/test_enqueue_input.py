@@ -65,3 +65,20 @@ def test_a_job_dead_for_a_missing_or_wrong_field_names_the_fields_it_does_not_kn
     assert s.show("fine")["state"] == "done" and s.show("fine")["colour"] == "blue"
     proc = s.run("enqueue", "--json", '{"cmd": "true"}', check=False)
     assert proc.returncode == 2 and "unknown field 'cmd' (did you mean 'command'?)" in proc.stderr
+
+
+def test_a_command_that_is_not_utf8_is_refused_everywhere_alike(fast_spool):
+    s = fast_spool
+    proc = subprocess.run(SPOOLQ + ["-s", str(s.path), "enqueue", b"echo \xff"], capture_output=True, text=True)
+    assert (proc.returncode, proc.stderr) == (2, "spoolq: command is not valid UTF-8 (the byte 0xff at character 5)\n")
+    proc = subprocess.run(SPOOLQ + ["-s", str(s.path), "enqueue", "printf", b"%s\xc3"], capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr.startswith("spoolq: argv is not valid UTF-8")
+    for words in ([b"echo \xff"], [b"printf", b"%s\xc3"], [b"echo", b"\xed\xa0\x80"]):  # the last: a surrogate's bytes
+        drop = subprocess.run([DROP, "-s", str(s.path), *words], capture_output=True, text=True)
+        assert (drop.returncode, drop.stderr) == (1, "spoolq-drop: the command is not valid UTF-8\n"), words
+    assert s.ids("new") == []
+    s.drop("escaped.json", '{"command": "echo \\udcff"}')  # how JSON spells the byte: a lone surrogate
+    s.work()
+    assert s.show("escaped")["error"] == "command is not valid UTF-8 (the byte 0xff at character 5)"
+    ok = subprocess.run([DROP, "-s", str(s.path), "echo", "café ☕"], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
