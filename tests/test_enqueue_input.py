@@ -82,3 +82,19 @@ def test_a_command_that_is_not_utf8_is_refused_everywhere_alike(fast_spool):
     assert s.show("escaped")["error"] == "command is not valid UTF-8 (the byte 0xff at character 5)"
     ok = subprocess.run([DROP, "-s", str(s.path), "echo", "café ☕"], capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
+
+
+def test_the_suggested_rename_of_a_badly_named_dead_file_pastes_in_sh_and_bash(fast_spool, tmp_path):
+    s = fast_spool
+    for shell in ("sh", "bash"):
+        name = os.fsdecode(b"bad\nname it's 100%\\\xff" + shell.encode())
+        s.drop(name + ".json", '{"command": "true"}')
+        s.work()
+        proc = subprocess.run(SPOOLQ + ["-s", str(s.path), "retry", os.fsencode(name)], capture_output=True, text=True)
+        assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+        command = re.search(r"e\.g\. (.*), then retry (\S+)$", proc.stderr.strip())
+        assert command and command.group(1).isascii() and command.group(1).isprintable(), proc.stderr
+        run = subprocess.run([shell, "-c", command.group(1)], capture_output=True, text=True, cwd=str(tmp_path))
+        assert run.returncode == 0, (shell, run.stderr)
+        assert s.run("retry", command.group(2)).stdout == f"{command.group(2)}\n"
+        assert not (s.path / "dead" / (name + ".json")).exists()
