@@ -98,3 +98,17 @@ def test_the_suggested_rename_of_a_badly_named_dead_file_pastes_in_sh_and_bash(f
         assert run.returncode == 0, (shell, run.stderr)
         assert s.run("retry", command.group(2)).stdout == f"{command.group(2)}\n"
         assert not (s.path / "dead" / (name + ".json")).exists()
+
+
+def test_spoolq_drop_takes_one_word_as_a_shell_command_and_several_as_argv(fast_spool, tmp_path):
+    s = fast_spool
+    out = tmp_path / "out"
+    one = subprocess.run([DROP, "-s", str(s.path), f"echo one > {out}-1"], capture_output=True, text=True, cwd=tmp_path)
+    several = subprocess.run([DROP, "-s", str(s.path), "sh", "-c", f'echo "$0" > {out}-2', "two words"],
+                             capture_output=True, text=True, cwd=tmp_path)
+    assert one.returncode == 0 and several.returncode == 0, (one.stderr, several.stderr)
+    records = {n: json.loads((s.path / "new" / n).read_text()) for n in s.names("new")}
+    assert sorted(r.get("command") or "" for r in records.values()) == ["", f"echo one > {out}-1"]
+    assert [r["argv"] for r in records.values() if "argv" in r] == [["sh", "-c", f'echo "$0" > {out}-2', "two words"]]
+    s.work()
+    assert (tmp_path / "out-1").read_text() == "one\n" and (tmp_path / "out-2").read_text() == "two words\n"
