@@ -97,8 +97,21 @@ def _near_option(error: click.UsageError) -> str:
     return did_you_mean(error.option_name, names, quote=True).replace(" (did", " Did").replace("?)", "?")
 
 
+def _spool_after(ctx, param, value):
+    """``-s DIR`` given after the command's name: the spool, as before it."""
+    if value is not None:
+        ctx.find_root().obj = Spool(_spool_dir(ctx, param, value))
+
+
 class SpoolGroup(click.Group):
-    """Turns the core's exceptions into one-line messages and exit codes."""
+    """Turns the core's exceptions into one-line messages and exit codes,
+    and gives every command ``-s/--spool`` of its own (``spoolq enqueue -s
+    DIR ...`` as well as ``spoolq -s DIR enqueue ...``)."""
+
+    def add_command(self, cmd: click.Command, name: str | None = None) -> None:
+        cmd.params.append(click.Option(["-s", "--spool", "spool_after"], metavar="DIR", expose_value=False,
+                                       callback=_spool_after, help="The spool directory (as before the command)."))
+        super().add_command(cmd, name)
 
     def main(self, *args: Any, **kwargs: Any) -> Any:
         # click's own errors (a bad option, a missing argument) print usage,

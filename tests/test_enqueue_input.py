@@ -112,3 +112,22 @@ def test_spoolq_drop_takes_one_word_as_a_shell_command_and_several_as_argv(fast_
     assert [r["argv"] for r in records.values() if "argv" in r] == [["sh", "-c", f'echo "$0" > {out}-2', "two words"]]
     s.work()
     assert (tmp_path / "out-1").read_text() == "one\n" and (tmp_path / "out-2").read_text() == "two words\n"
+
+
+def test_the_spool_option_may_follow_the_command_name(fast_spool, tmp_path):
+    s = fast_spool
+    env = {k: v for k, v in os.environ.items() if k != "SPOOLQ_DIR"}
+    env["SPOOLQ_DIR"] = str(tmp_path / "elsewhere")
+
+    def spoolq(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(SPOOLQ + list(args), env=env, capture_output=True, text=True, timeout=120)
+
+    job = spoolq("enqueue", "-s", str(s.path), "--id", "after", "true")
+    assert job.returncode == 0 and s.ids("new") == ["after"], job.stderr
+    assert spoolq("work", "--spool", str(s.path), "-q").returncode == 0
+    assert json.loads(spoolq("show", "-s", str(s.path), "after", "--json").stdout)["state"] == "done"
+    assert spoolq("config", "set", "-s", str(s.path), "timeout", "5").returncode == 0
+    assert spoolq("config", "-s", str(s.path), "get", "timeout").stdout == "5\n"
+    assert json.loads(spoolq("status", "-s", str(s.path), "--json").stdout)["done"] == 1
+    assert "after" in spoolq("dlq", "list", "-s", str(s.path)).stdout + spoolq("list", "-s", str(s.path)).stdout
+    assert not (tmp_path / "elsewhere").exists()
