@@ -537,7 +537,7 @@ def list_(ctx, state, limit, since, as_json):
 @click.option("--json", "as_json", is_flag=True, help="Print the record as JSON.")
 @click.pass_context
 def show(ctx, job_id, as_json):
-    """One job's record, wherever it is (compacted jobs included)."""
+    """One job's record, wherever it is (compacted jobs included); ID may be the start of one."""
     output.show(_spool(ctx), job_id, as_json)
 
 
@@ -545,10 +545,11 @@ def show(ctx, job_id, as_json):
 @click.argument("job_id", metavar="ID", shell_complete=_id_completer("new", "failed"))
 @click.pass_context
 def cancel(ctx, job_id):
-    """Cancel a waiting job (new/ or failed/ -> done/, outcome cancelled)."""
+    """Cancel a waiting job (new/ or failed/ -> done/, outcome cancelled); ID may be the start of one."""
     output.refuse_bad_ids((job_id,))
     spool = _existing(ctx)
     try:
+        job_id = spool.resolve(job_id, ("new", "failed"), ())
         spool.cancel(job_id, check=True, on_note=_note)
     except (JobNotFound, NotPossible) as e:
         fail(str(e), 1)
@@ -593,6 +594,7 @@ def _retry(ctx, job_ids, all_):
         return
     for jid in job_ids:
         try:
+            jid = spool.resolve(jid, ("dead",), ("dead",))
             spool.retry(jid, check=True, on_note=_note)
             echo(one_line(jid))
         except (JobNotFound, NotPossible) as e:

@@ -543,6 +543,14 @@ class Index:
                 found[wanted[key]] = json.loads(rec)
         return found
 
+    def ids_with_prefix(self, prefix: str, states: tuple[str, ...], limit: int) -> list[str]:
+        """Up to ``limit`` ids in ``states`` that begin with ``prefix`` (an
+        id's characters, all ASCII: a range of the primary key)."""
+        after = prefix[:-1] + chr(ord(prefix[-1]) + 1)
+        return [row[0] for row in self.db.execute(
+            f"SELECT id FROM jobs WHERE id >= ? AND id < ? AND state IN ({', '.join('?' * len(states))}) LIMIT ?",
+            (prefix, after, *states, limit))]
+
     def has(self, job_id: str) -> bool:
         return self.db.execute("SELECT 1 FROM jobs WHERE id = ?", (_sql(job_id),)).fetchone() is not None
 

@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Any, NoReturn
 
-from .errors import ConfigError, DuplicateId, InvalidJob, NoSuchGroup, NotASpool, SpoolError
+from .errors import ConfigError, DuplicateId, InvalidJob, NoSuchGroup, NotASpool, NotPossible, SpoolError
 from .ids import id_problem
 from .protocol import refuse_inside_spool, refuse_non_directory
 from .record import rfc3339
@@ -169,6 +169,12 @@ def show(spool, job_id: str, as_json: bool) -> None:
     """``spoolq show``: one job's record, wherever it is, or exit 1."""
     require_spool(spool)
     job = spool.get(job_id)  # also a file `list` shows under a name that is no valid id
+    if job is None:
+        try:
+            whole = spool.resolve(job_id)  # the start of an id
+        except NotPossible as e:
+            fail(str(e), 1)
+        job = spool.get(whole) if whole != job_id else None
     if job is None:
         refuse_bad_ids((job_id,))
         fail(f"no job {job_id} in this spool", 1)

@@ -12,8 +12,11 @@ import os
 from typing import Any, Callable, Iterator
 
 from . import record
-from .errors import InvalidJob, NotRegular
+from .errors import InvalidJob, NotPossible, NotRegular
 from .protocol import STATES, file_name, id_of, id_problem, listed_names
+
+
+PREFIX_SHOWN = 10  # candidates named when an id prefix is ambiguous
 
 
 class Views:
@@ -67,6 +70,33 @@ class Views:
             said = handled_kinds(self.dir)
             cached = self._handled_cache = said[0] if said is not None else None
         return cached
+
+    def resolve(self, given: str, states: tuple[str, ...] = STATES,
+                finished: tuple[str, ...] = ("done", "dead")) -> str:
+        """The id ``given`` stands for: itself when a job has it (or it is
+        no valid id), else the one id in ``states`` (and, compacted, in the
+        index's ``finished``) that begins with it, as git takes a commit's.
+        NotPossible names the candidates when several begin with it; with
+        none, ``given`` is returned for the caller's own "no such job"."""
+        self._open()
+        if not given or id_problem(given) or self.dir.find((file_name(given), given)) is not None:
+            return given
+        index = self.index()
+        if index is not None and index.has(given):
+            return given
+        found: set[str] = set()
+        for state in states:
+            found.update(id_of(name) for name in self.dir.names(state)
+                         if name.startswith(given) and not id_problem(id_of(name)))
+        if index is not None and finished:
+            found.update(index.ids_with_prefix(given, finished, PREFIX_SHOWN + 1))
+        if len(found) == 1:
+            return found.pop()
+        if found:
+            shown = sorted(found)[:PREFIX_SHOWN]
+            more = ", ..." if len(found) > PREFIX_SHOWN else ""
+            raise NotPossible(f"{given} is the start of more than one job's id: {', '.join(shown)}{more} (give more of it)")
+        return given
 
     def get(self, job_id: str) -> dict[str, Any] | None:
         """The job's record as a dict with ``state`` set from where it is

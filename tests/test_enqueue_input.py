@@ -131,3 +131,24 @@ def test_the_spool_option_may_follow_the_command_name(fast_spool, tmp_path):
     assert json.loads(spoolq("status", "-s", str(s.path), "--json").stdout)["done"] == 1
     assert "after" in spoolq("dlq", "list", "-s", str(s.path)).stdout + spoolq("list", "-s", str(s.path)).stdout
     assert not (tmp_path / "elsewhere").exists()
+
+
+def test_show_cancel_and_retry_take_the_start_of_an_id(fast_spool):
+    s = fast_spool
+    s.enqueue("--id", "report-2026-01", "--in", "1h", "true")
+    s.enqueue("--id", "report-2026-02", "--in", "1h", "true")
+    s.enqueue("--id", "cleanup-a", "--max-attempts", "1", "false")
+    s.work()
+    assert s.run("show", "report-2026-01").stdout.startswith("command: true")
+    assert json.loads(s.run("show", "clean", "--json").stdout)["id"] == "cleanup-a"
+    ambiguous = s.run("show", "report", check=False)
+    assert (ambiguous.returncode, ambiguous.stderr) == (
+        1, "spoolq: report is the start of more than one job's id: report-2026-01, report-2026-02 (give more of it)\n")
+    assert s.run("cancel", "report-2026-0", check=False).stderr.startswith(
+        "spoolq: report-2026-0 is the start of more than one job's id")
+    assert s.run("cancel", "report-2026-02").stdout == "cancelled report-2026-02\n"
+    assert s.run("retry", "clean").stdout == "cleanup-a\n"
+    assert s.run("show", "zz", check=False).stderr == "spoolq: no job zz in this spool\n"
+    s.run("compact")
+    assert "report-2026-01, report-2026-02" in s.run("show", "report-2026-0", check=False).stderr  # compacted too
+    assert json.loads(s.run("show", "report-2026-02", "--json").stdout)["compacted"] is True
