@@ -518,16 +518,22 @@ def _summary(job: dict[str, Any]) -> str:
     return one_line(line)
 
 
+LIST_HEADER = f"{'STATE':<7} {'ID':<32} {'DUE OR FINISHED':<28} {'TRY':>3}  JOB"
+
+
 @cli.command(name="list")
 @click.option("--state", type=STATE_CHOICE, help="Only jobs in this state.")
 @click.option("--limit", type=click.IntRange(min=0), help="At most this many jobs.")
 @click.option("--since", callback=_duration, metavar="DURATION", help="Only jobs due or finished this recently.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON Lines.")
+@click.option("--no-header", is_flag=True, help="No header row (printed only on a terminal anyway).")
 @click.pass_context
-def list_(ctx, state, limit, since, as_json):
+def list_(ctx, state, limit, since, as_json, no_header=False):
     """Jobs, oldest first (by due or finish time, then name)."""
     spool = _existing(ctx)
     since_ts = time.time() - since if since is not None else None
+    if not as_json and not no_header and sys.stdout is not None and sys.stdout.isatty():
+        echo(LIST_HEADER)  # for a person; a pipe gets only the jobs, one a line
     for job in spool.list(state=state, limit=limit, since=since_ts):
         echo(dumps(job) if as_json else _summary(job))
 
@@ -612,10 +618,11 @@ def dlq():
 @dlq.command(name="list")
 @click.option("--limit", type=click.IntRange(min=0), help="At most this many jobs.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON Lines.")
+@click.option("--no-header", is_flag=True, help="No header row (printed only on a terminal anyway).")
 @click.pass_context
-def dlq_list(ctx, limit, as_json):
+def dlq_list(ctx, limit, as_json, no_header):
     """Dead jobs, oldest first (spoolq list --state dead)."""
-    ctx.invoke(list_, state="dead", limit=limit, since=None, as_json=as_json)
+    ctx.invoke(list_, state="dead", limit=limit, since=None, as_json=as_json, no_header=no_header)
 
 
 @dlq.command(name="retry")

@@ -1,0 +1,45 @@
+"""Output a person reads: a header row on a terminal, a job moved back by
+hand shown as waiting, every job named the same way in the worker's log,
+and throughput over a window that means something."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import shutil
+import subprocess
+
+from conftest import SPOOLQ
+
+
+def _on_a_terminal(s, *args: str) -> str:
+    """spoolq's stdout when it is a terminal (a pseudo-terminal)."""
+    master, slave = pty.openpty()
+    env = {k: v for k, v in os.environ.items() if k != "SPOOLQ_DIR"}
+    proc = subprocess.Popen(SPOOLQ + ["-s", str(s.path), *args], stdout=slave, stderr=subprocess.PIPE, env=env)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # EIO: the other side is closed
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(master)
+    assert proc.wait(timeout=120) == 0, proc.stderr.read()
+    return b"".join(chunks).decode().replace("\r\n", "\n")
+
+
+def test_list_prints_a_header_row_on_a_terminal_only(fast_spool):
+    s = fast_spool
+    job = s.enqueue("true")
+    lines = _on_a_terminal(s, "list").splitlines()
+    assert lines[0].split() == ["STATE", "ID", "DUE", "OR", "FINISHED", "TRY", "JOB"] and job in lines[1]
+    assert lines[0].index("ID") == lines[1].index(job) and len(lines) == 2
+    assert _on_a_terminal(s, "list", "--no-header").splitlines()[0].startswith("new")
+    assert _on_a_terminal(s, "dlq", "list").splitlines()[0].startswith("STATE")
+    assert _on_a_terminal(s, "list", "--json").startswith("{")
+    assert s.run("list").stdout.startswith("new ")  # a pipe gets the jobs only
