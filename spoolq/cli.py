@@ -505,7 +505,10 @@ def _summary(job: dict[str, Any]) -> str:
     attempts = job.get("attempts", "-")
     error = job.get("error") or ""
     line = f"{job['state']:<7} {job['id']:<32} {when:<28} {attempts!s:>3}  {target}"
-    if error:
+    if job.get("moved_back_from"):
+        # Its last run's error is history now: the job waits for a fresh run.
+        line += f"  [{output.moved_back(job)}{'; its last run: ' + error if error else ''}]"
+    elif error:
         line += f"  [{error}]"
     elif job.get("outcome") == "cancelled" or (job["state"] == "done" and "outcome" not in job):
         line += "  [cancelled]"  # a done job is a success unless it says so (record.as_done)

@@ -195,9 +195,17 @@ def show(spool, job_id: str, as_json: bool) -> None:
             echo(one_line(f"{key}: {value if isinstance(value, str) else dumps(value)}"))
     if job.get("abandoned"):
         echo(f"note: {ABANDONED}")
+    if job.get("moved_back_from"):
+        echo(f"note: {moved_back(job)}: error, exit_code, stdout and stderr are of its last run, before the move "
+             "(history has every run)")
     if job.get("waits_for_handler"):
         echo(one_line(f"note: {waits_for_handler(job)}; no worker of this spool has one (spoolq work --app "
                       "MODULE:ATTR, or spoolq config set app MODULE)"))
+
+
+def moved_back(job: dict) -> str:
+    """What a job in new/ whose record says it was elsewhere is: moved back by hand."""
+    return f"moved back to new/ from {job.get('moved_back_from')}/ by hand; it waits for a fresh run"
 
 
 def waits_for_handler(job: dict) -> str:

@@ -46,6 +46,8 @@ class Views:
                 job["error"] = reason
         if state == "done" and job.get("valid") is not False:
             job = record.as_done(job)
+        if state == "new" and job.get("state") in ("dead", "failed", "done", "cur"):
+            job["moved_back_from"] = job["state"]  # (`mv dead/x.json new/`): what it says of its runs is history
         if state == "cur" and self.dir.is_locked("cur", name) is False:
             job["abandoned"] = True  # its worker died: nobody holds it (see protocol's header)
         if state in ("new", "failed") and isinstance(job.get("kind"), str) and job.get("valid") is not False:

@@ -43,3 +43,20 @@ def test_list_prints_a_header_row_on_a_terminal_only(fast_spool):
     assert _on_a_terminal(s, "dlq", "list").splitlines()[0].startswith("STATE")
     assert _on_a_terminal(s, "list", "--json").startswith("{")
     assert s.run("list").stdout.startswith("new ")  # a pipe gets the jobs only
+
+
+def test_a_job_moved_back_by_hand_shows_as_waiting_not_as_failing(fast_spool):
+    s = fast_spool
+    s.enqueue("--id", "again", "--max-attempts", "1", "sh -c 'exit 3'")
+    s.work()
+    shutil.move(str(s.path / "dead" / "again.json"), str(s.path / "new" / "again.json"))
+    [line] = s.run("list").stdout.splitlines()
+    assert line.startswith("new ") and line.endswith(
+        "[moved back to new/ from dead/ by hand; it waits for a fresh run; its last run: exit status 3]")
+    shown = s.run("show", "again").stdout
+    assert "state: new\n" in shown and "history:\n" in shown and shown.rstrip().endswith(
+        "note: moved back to new/ from dead/ by hand; it waits for a fresh run: error, exit_code, stdout and stderr "
+        "are of its last run, before the move (history has every run)")
+    assert s.show("again")["moved_back_from"] == "dead"
+    s.work()
+    assert s.show("again")["attempts"] == 1 and "moved_back_from" not in s.show("again")
