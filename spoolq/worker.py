@@ -42,7 +42,7 @@ from .commit import COMMIT_JOBS, COMMIT_SECONDS, GroupCommit
 from .errors import ForcedStop
 from .outcomes import Recorder
 from .output import Log, as_log, field, log_what_waits, quoted  # noqa: F401 - Log, log_what_waits: importable from here too
-from .protocol import Entry
+from .protocol import Entry, id_of, id_problem
 from .registry import Registration
 from .runner import STOPPED_NOW, Limits, Outcome, RunHandle, RunPlan, call_handler, fork_handler, inheritable_fds, run_process
 from .store import WRITER_GRACE, Claimed, Store
@@ -76,6 +76,13 @@ PROBE_CLAIMS = 64  # ... once an eighth of this many claims in a row waited for 
 RELAYED_SIGNALS = procs.RELAYED_SIGNALS  # stop, stop now: from the parent of a worker pool
 STOPPING = "no new jobs; running jobs finish (a second SIGTERM or SIGINT kills them)"
 STOPPING_NOW = "running jobs are killed and go back to failed/"
+
+
+def named(name: str) -> str:
+    """A file in a log line: ``job=ID`` when its name is an id's file (as
+    every line about a job names it), else ``file=NAME``."""
+    job_id = id_of(name)
+    return f"job={job_id}" if id_problem(job_id) is None else f"file={field(name)}"
 
 
 def _run_as(job: dict) -> Any:
@@ -590,7 +597,7 @@ class Worker:
                 if claimed is not None:
                     claimed = self.store.take(claimed, time.time_ns(), self.on_quarantine)
         except Exception as e:  # a claim never takes the worker down; the file stays put
-            self.log.line(f"worker={self.wid} cannot claim {field(entry.state + '/' + entry.name)}: {type(e).__name__}: {e}", 0)
+            self.log.line(f"worker={self.wid} {named(entry.name)} cannot claim it from {entry.state}/: {type(e).__name__}: {e}", 0)
             return None
         return claimed
 
@@ -645,12 +652,12 @@ class Worker:
             self._later_logged.clear()
         self._later_logged.add((name, when_ns))
         wait = max(0.0, when_ns / 1e9 - time.time())
-        self.log.line(f"worker={self.wid} job={field(name)} not a whole job yet and changed less than "
+        self.log.line(f"worker={self.wid} {named(name)} not a whole job yet and changed less than "
                       f"{WRITER_GRACE:g}s ago: left in new/ for its writer to finish, looked at again "
                       f"in {wait:.1f}s (a file written in tmp/ and renamed into new/ never waits)", 1)
 
     def on_quarantine(self, name: str, reason: str) -> None:
-        self.log.line(f"worker={self.wid} job={field(name)} outcome=dead state=dead error={quoted(reason)}", 0)
+        self.log.line(f"worker={self.wid} {named(name)} outcome=dead state=dead error={quoted(reason)}", 0)
 
     # -- one job -----------------------------------------------------------
 

@@ -258,5 +258,5 @@ def test_a_drain_waits_out_the_grace_and_files_no_writer_can_finish_go_to_dead_a
                                               "big.json", "link.json"])
     assert s.names("new") == []
     waited = [line for line in proc.stderr.splitlines() if LEFT_FOR_WRITER in line]
-    assert len(waited) == 1 and "job=empty.json" in waited[0], proc.stderr
+    assert len(waited) == 1 and "job=empty " in waited[0], proc.stderr
     assert s.show("empty")["error"] == "empty file"

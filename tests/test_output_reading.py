@@ -60,3 +60,16 @@ def test_a_job_moved_back_by_hand_shows_as_waiting_not_as_failing(fast_spool):
     assert s.show("again")["moved_back_from"] == "dead"
     s.work()
     assert s.show("again")["attempts"] == 1 and "moved_back_from" not in s.show("again")
+
+
+def test_the_worker_log_names_each_job_by_its_id_and_other_files_by_their_name(fast_spool):
+    s = fast_spool
+    s.drop("broken.json", "[1]")
+    s.drop("bad name.json", '{"command": "true"}')
+    s.drop("fine.json", '{"command": "true"}')
+    log = s.work().stderr
+    lines = [line.split(" ", 2)[2] for line in log.splitlines() if " worker=" in line]
+    assert any(line.startswith("job=broken outcome=dead") for line in lines), log
+    assert any(line.startswith('file="bad name.json" outcome=dead') for line in lines), log
+    assert any(line.startswith("job=fine outcome=succeeded") for line in lines), log
+    assert ".json" not in log.replace('"bad name.json"', "")
