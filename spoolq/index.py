@@ -708,6 +708,8 @@ FROM g LEFT JOIN j ON j.grp = g.grp LEFT JOIN pct ON pct.grp = g.grp
 ORDER BY 2 DESC, 1
 """
 
+MIN_WINDOW = 60.0  # seconds: the shortest window a throughput is taken over
+
 STAT_FIELDS = ("target", "jobs", "succeeded", "failed_runs", "dead", "cancelled", "runs", "first_finish", "last_finish",
                "wait_p50", "wait_p95", "wait_max", "run_p50", "run_p95", "run_max")
 
@@ -747,10 +749,16 @@ def _stats(index: Index, extra_jobs: list[tuple[dict, str, float]], since: float
     groups = [dict(zip(STAT_FIELDS, row)) for row in db.execute(STATS_SQL.format(group="target"), params)]
     total_rows = [dict(zip(STAT_FIELDS, row)) for row in db.execute(STATS_SQL.format(group="'total'"), params)]
     total = total_rows[0] if total_rows else {**dict.fromkeys(STAT_FIELDS, 0), **dict.fromkeys(STAT_FIELDS[7:])}
+    # One window for every group: the --since period, else from the first
+    # finish counted to now; never under a minute, so that a burst of two
+    # jobs a millisecond apart is not "2000 jobs/s".
+    first = total.get("first_finish")
+    now = time.time()
+    start = since if since is not None else first
+    window = max(MIN_WINDOW, now - start) if start is not None else None
     for entry in groups + [total]:
-        first, last = entry.pop("first_finish"), entry.pop("last_finish")
-        window = (time.time() - since) if since is not None else ((last - first) if first is not None and last is not None else 0)
-        entry["throughput_per_s"] = round(entry["jobs"] / window, 3) if window and window > 0 else None
+        entry.pop("first_finish"), entry.pop("last_finish")
+        entry["throughput_per_s"] = round(entry["jobs"] / window, 3) if window and entry["jobs"] else None
         entry["group"] = entry.pop("target")
     total.pop("group", None)
     db.execute("DROP VIEW temp.all_jobs")

@@ -73,3 +73,14 @@ def test_the_worker_log_names_each_job_by_its_id_and_other_files_by_their_name(f
     assert any(line.startswith('file="bad name.json" outcome=dead') for line in lines), log
     assert any(line.startswith("job=fine outcome=succeeded") for line in lines), log
     assert ".json" not in log.replace('"bad name.json"', "")
+
+
+def test_stats_rates_are_over_a_window_that_means_something(fast_spool):
+    s = fast_spool
+    s.enqueue("true")
+    s.enqueue("true")
+    s.work()
+    total = json.loads(s.run("stats", "--json").stdout)["total"]
+    assert total["jobs"] == 2 and total["throughput_per_s"] <= 2 / 60  # not 2 jobs over the milliseconds between them
+    hour = json.loads(s.run("stats", "--since", "1h", "--json").stdout)["total"]
+    assert hour["throughput_per_s"] == round(2 / 3600, 3)
