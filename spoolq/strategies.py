@@ -169,7 +169,7 @@ class Serial:
                 ready = w.prepare(entry)
             except Exception:
                 return  # the dispatcher will claim it the usual way and say what failed
-            if ready is None and w.foreign(entry):
+            if ready is None and w.passed_over.known(entry):
                 continue
             self._ahead = (entry, ready)
             return

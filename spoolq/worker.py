@@ -177,6 +177,57 @@ class Tuning:
     scan_limit: int = SCAN_LIMIT
 
 
+class PassedOver:
+    """The due handler jobs a worker has no handler for, left waiting,
+    untouched, for a worker that has one: each is read once, then passed
+    over by its (folder, name, due time) without a read. A pass keeps the
+    ones it met for the next; any change of the file (a rewrite, ``touch
+    -d``) changes its due time, and it is read again."""
+
+    def __init__(self) -> None:
+        self.now: dict[tuple[str, str, int], str] = {}  # this pass's, by key: their kind
+        self.before: dict[tuple[str, str, int], str] = {}  # the pass before's not met again yet
+        self.told: set[str] = set()  # the kinds logged already
+
+    def __bool__(self) -> bool:
+        return bool(self.now or self.before)
+
+    def new_pass(self) -> None:
+        self.before, self.now = self.now, {}
+
+    def known(self, entry: Entry) -> bool:
+        key = (entry.state, entry.name, entry.due_ns)
+        kind = self.now.get(key) or self.before.pop(key, None)
+        if kind is None:
+            return False
+        self.now[key] = kind
+        return True
+
+    def add(self, entry: Entry, kind: str) -> None:
+        self.now[(entry.state, entry.name, entry.due_ns)] = kind
+
+    def waiting(self) -> dict[str, int]:
+        """This pass's, counted by kind."""
+        counts: dict[str, int] = {}
+        for kind in self.now.values():
+            counts[kind] = counts.get(kind, 0) + 1
+        return counts
+
+    def tell(self, store: Store, log: Log, wid: str, kinds: list[str]) -> None:
+        """After a pass: log each kind left waiting (once per worker), and
+        leave the counts in the store for status, list and show."""
+        waiting = self.waiting()
+        for kind in sorted(set(waiting) - self.told):
+            self.told.add(kind)
+            log.line(f"worker={wid} kind={field(kind)} waiting={waiting[kind]} left waiting: this worker has no "
+                     "handler for that kind (spoolq work --app MODULE:ATTR, or spoolq config set app MODULE)", 1,
+                     logging.WARNING)
+        try:
+            store.note_unhandled(wid, kinds, waiting)
+        except Exception as e:  # only a note for status: never stop the worker for it
+            log.line(f"worker={wid} cannot write workers/.unhandled: {e}", 2)
+
+
 class Worker:
     """Runs jobs from one store until it is drained (or stopped, in watch mode)."""
 
@@ -258,13 +309,7 @@ class Worker:
         # come to say so. And the (name, time) already logged, to log each once.
         self._later_ns: int | None = None
         self._later_logged: set[tuple[str, int]] = set()
-        # Due handler jobs of a kind this worker has no handler for are left
-        # waiting, untouched, for a worker that has one: read once, then
-        # passed over by their (folder, name, due time) without a read,
-        # this pass's found ones kept for the next (see prepare).
-        self._foreign: dict[tuple[str, str, int], str] = {}
-        self._foreign_before: dict[tuple[str, str, int], str] = {}
-        self._foreign_told: set[str] = set()
+        self.passed_over = PassedOver()  # handler jobs of kinds it has no handler for
         self._next_compact_ran = 0
         self._next_compact_time = 0.0
         self._default_limits: tuple[int, Limits] | None = None
@@ -497,7 +542,7 @@ class Worker:
         drain is over or the worker stops. Then compact if due."""
         self.strategy.idle()  # before pausing, compacting or scanning
         if not first:
-            self._tell_unhandled()
+            self.passed_over.tell(self.store, self.log, self.wid, sorted(self.handlers))
         if self._pass_claims:
             self._busy_rounds = 0
         if not first and self._pass_claims == 0 and self._finished_since_scan == 0:
@@ -537,59 +582,30 @@ class Worker:
         # watchdog's inotify descriptor) is closed in every job's
         # process. Looked up once a pass, not once a job.
         self._spawn_closes = inheritable_fds()
-        self._foreign_before, self._foreign = self._foreign, {}
+        self.passed_over.new_pass()
         scan = self.store.scan(time.time_ns(), self.tuning.scan_limit)
         self._next_due = scan.next_due_ns
         self.log.line(f"worker={self.wid} scan due={len(scan.due)}", 2)
         return scan.due
 
-    def foreign(self, entry: Entry) -> bool:
-        """Whether ``entry`` is a handler job this worker has no handler for,
-        as an earlier read found (this pass or the one before)."""
-        key = (entry.state, entry.name, entry.due_ns)
-        kind = self._foreign.get(key) or self._foreign_before.pop(key, None)
-        if kind is None:
-            return False
-        self._foreign[key] = kind
-        return True
-
     def prepare(self, entry: Entry) -> Claimed | None:
         """The store's prepare of a due entry (locked, read, validated), or
         None; a handler job of a kind this worker has no handler for is let
-        go at once, before any attempt counts, and remembered so that later
-        passes skip it unread (see foreign)."""
-        if self.foreign(entry):
+        go at once, before any attempt counts (see PassedOver)."""
+        if self.passed_over.known(entry):
             return None
-        key = (entry.state, entry.name, entry.due_ns)
         ready = self.store.prepare(entry, time.time_ns(), self.on_quarantine, self.on_busy, self.on_later)
         if ready is not None:
             kind = ready.job.get("kind")
             if kind is not None and kind not in self.handlers:
                 self.store.release(ready)
-                self._foreign[key] = kind
+                self.passed_over.add(entry, kind)
                 return None
         return ready
 
-    def _tell_unhandled(self) -> None:
-        """After a pass: log each kind left waiting for want of a handler
-        (once per worker), and leave the counts for status, list and show."""
-        waiting: dict[str, int] = {}
-        for kind in self._foreign.values():
-            waiting[kind] = waiting.get(kind, 0) + 1
-        for kind in sorted(set(waiting) - self._foreign_told):
-            self._foreign_told.add(kind)
-            self.log.line(f"worker={self.wid} kind={field(kind)} waiting={waiting[kind]} left waiting: this worker has no "
-                          "handler for that kind (spoolq work --app MODULE:ATTR, or spoolq config set app MODULE)", 1,
-                          logging.WARNING)
-        try:
-            self.store.note_unhandled(self.wid, sorted(self.handlers), waiting)
-        except Exception as e:  # only a note for status: never stop the worker for it
-            self.log.line(f"worker={self.wid} cannot write workers/.unhandled: {e}", 2)
-
     def _claim(self, entry: Entry) -> Claimed | None:
-        if self._foreign_before or self._foreign:
-            if self.foreign(entry):
-                return None  # (the look-ahead may have passed over it to the next job)
+        if self.passed_over and self.passed_over.known(entry):
+            return None  # (the look-ahead may have passed over it to the next job)
         try:
             hit, claimed = self.strategy.claim_ahead(entry)  # prepared while the last job ran
             if not hit:
