@@ -112,7 +112,9 @@ class Spool(Views):
                 for key, why in dropped.items():
                     on_dropped(f"config.json: dropped {'the whole file: ' + why if key is None else why}")
                 on_dropped(f"config.json: the old file is kept as {os.path.join(self.path, 'config.json.bad')}")
-        if dropped or stored != before or held:
+        # A set always writes, even a value the file has: the file becomes
+        # the writer's (root setting root_handlers is root's consent).
+        if unset is None or dropped or stored != before or held:
             self.dir.replace_file(None, "config.json", config.dumps(stored))
         self._settings.loaded = False  # read again when next needed
         return held

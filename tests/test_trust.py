@@ -309,6 +309,7 @@ def test_folders_and_settings_writable_only_by_a_users_private_group_are_fine(us
     project = home / "project"
     assert users.sh(users.owner, f"mkdir {project}", umask="002").returncode == 0
     assert _mode(project) == 0o775 and os.stat(project).st_gid == users.owner.gid
+    assert users.spoolq(users.owner, "init", cwd=str(project), umask="002").returncode == 0
     run = users.spoolq(users.owner, "enqueue", "echo private group", cwd=str(project), umask="002")
     assert run.returncode == 0, run.stderr
     assert users.sh(users.owner, "printf '{\"fsync\": false}' > spool/config.json", cwd=str(project),
