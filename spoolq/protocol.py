@@ -714,6 +714,10 @@ class SpoolDir:
         paths = [self.path(f) if f else self.root for f in folders]
         error.filename = next((p for p in paths if not os.access(p, os.W_OK | os.X_OK)), paths[0])
 
+    def remove_file(self, folder: str, name: str) -> None:
+        """Remove ``folder/name`` if it is there."""
+        _unlink_quietly(self.fd(folder), name)
+
     def replace_file(self, folder: str | None, name: str, data: bytes, mode: int | None = None) -> None:
         """Atomically replace a small file (tmp + fsync + rename), with
         ``mode`` whatever the umask; on an error the tmp file is removed."""

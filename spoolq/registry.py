@@ -13,7 +13,9 @@ of its process; after a power cut every process is gone anyway).
 Beside the registrations, ``workers/.unhandled`` says which kinds of due
 handler jobs the last worker to finish a pass left waiting for want of a
 handler, and which kinds it had handlers for: what ``status``, ``list``
-and ``show`` tell of such jobs once that worker is gone.
+and ``show`` tell of such jobs once that worker is gone. ``workers/.passed``
+lists those jobs (folder, name, due time, kind), so that the next worker
+passes them over without reading each one again.
 """
 
 from __future__ import annotations
@@ -459,3 +461,40 @@ def handled_kinds(spool: SpoolDir, workers: list[dict[str, Any]] | None = None) 
     if note is not None:
         kinds.update(k for k in note["kinds"] if isinstance(k, str))
     return kinds, note
+
+
+PASSED = ".passed"
+PASSED_MAX = 200_000  # entries kept: more are read again by the next worker
+
+
+def read_passed(spool: SpoolDir) -> dict[tuple[str, str, int], str]:
+    """``workers/.passed``: (folder, name, due time in ns) -> kind of the due
+    handler jobs the last worker to end left waiting for want of a handler
+    (empty when there is none, or it is not what a worker writes)."""
+    try:
+        data, _ = spool.read("workers", PASSED, 64 << 20)
+        passed = json.loads(data)
+    except (OSError, ValueError, NotRegular, RecursionError):
+        return {}
+    out: dict[tuple[str, str, int], str] = {}
+    if not isinstance(passed, dict):
+        return out
+    for kind, entries in passed.items():
+        if not isinstance(entries, list):
+            continue
+        for entry in entries:
+            if (isinstance(entry, list) and len(entry) == 3 and entry[0] in ("new", "failed")
+                    and isinstance(entry[1], str) and type(entry[2]) is int):
+                out[(entry[0], entry[1], entry[2])] = kind
+    return out
+
+
+def write_passed(spool: SpoolDir, passed: dict[tuple[str, str, int], str]) -> None:
+    """Replace ``workers/.passed`` (see read_passed); none when ``passed`` is empty."""
+    by_kind: dict[str, list] = {}
+    for (state, name, due_ns), kind in list(passed.items())[:PASSED_MAX]:
+        by_kind.setdefault(kind, []).append([state, name, due_ns])
+    if by_kind:
+        spool.replace_file("workers", PASSED, (json.dumps(by_kind, separators=(",", ":")) + "\n").encode())
+    else:
+        spool.remove_file("workers", PASSED)

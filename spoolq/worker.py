@@ -182,12 +182,32 @@ class PassedOver:
     untouched, for a worker that has one: each is read once, then passed
     over by its (folder, name, due time) without a read. A pass keeps the
     ones it met for the next; any change of the file (a rewrite, ``touch
-    -d``) changes its due time, and it is read again."""
+    -d``) changes its due time, and it is read again. The store keeps them
+    from one worker to the next (``load``, ``save``): a worker a minute
+    from cron reads each such file once, not once a minute."""
 
     def __init__(self) -> None:
         self.now: dict[tuple[str, str, int], str] = {}  # this pass's, by key: their kind
         self.before: dict[tuple[str, str, int], str] = {}  # the pass before's not met again yet
         self.told: set[str] = set()  # the kinds logged already
+        self.loaded: dict[tuple[str, str, int], str] = {}  # what the last worker left
+
+    def load(self, store: Store, handlers: dict[str, Any]) -> None:
+        """Take what the last worker passed over, but the kinds this one runs."""
+        try:
+            self.loaded = store.passed_over()
+        except Exception:  # (only a cache: every file is read again)
+            self.loaded = {}
+        self.now.update((key, kind) for key, kind in self.loaded.items() if kind not in handlers)
+
+    def save(self, store: Store) -> None:
+        """Leave the ones met (or loaded and not yet met) to the next worker."""
+        passed = {**self.before, **self.now}
+        if passed != self.loaded:
+            try:
+                store.note_passed(passed)
+            except Exception:
+                pass  # the next worker reads them again
 
     def __bool__(self) -> bool:
         return bool(self.now or self.before)
@@ -202,6 +222,19 @@ class PassedOver:
             return False
         self.now[key] = kind
         return True
+
+    def unknown(self, entries: list[Entry]) -> list[Entry]:
+        """``entries`` but the ones known to be passed over (kept as met)."""
+        before, now = self.before, self.now
+        kept = []
+        for entry in entries:
+            key = (entry.state, entry.name, entry.due_ns)
+            kind = before.pop(key, None)
+            if kind is None:
+                kept.append(entry)
+            else:
+                now[key] = kind
+        return kept
 
     def add(self, entry: Entry, kind: str) -> None:
         self.now[(entry.state, entry.name, entry.due_ns)] = kind
@@ -416,6 +449,7 @@ class Worker:
         try:
             store.open()
             self.registration = store.register(sorted(self.handlers))
+            self.passed_over.load(store, self.handlers)
             self.registration.start_flusher()
         except BaseException:
             for sig, old in old_handlers.items():
@@ -455,6 +489,7 @@ class Worker:
                 self.waker.stop()
             for sig, old in old_handlers.items():
                 signal.signal(sig, old)
+            self.passed_over.save(store)
             store.close()
             self.strategy.close()
             self.registration.close()
@@ -586,7 +621,7 @@ class Worker:
         scan = self.store.scan(time.time_ns(), self.tuning.scan_limit)
         self._next_due = scan.next_due_ns
         self.log.line(f"worker={self.wid} scan due={len(scan.due)}", 2)
-        return scan.due
+        return self.passed_over.unknown(scan.due) if self.passed_over.before else scan.due
 
     def prepare(self, entry: Entry) -> Claimed | None:
         """The store's prepare of a due entry (locked, read, validated), or

@@ -55,6 +55,19 @@ def test_a_worker_without_the_handler_leaves_the_job_waiting_and_everyone_says_w
     assert "waits_for_handler" not in s.show(mail)
 
 
+def test_a_job_passed_over_and_changed_since_is_looked_at_again(fast_spool):
+    """The next worker passes over what the last one left waiting without
+    reading it again, unless the file changed (its due time with it)."""
+    s = fast_spool
+    job = s.enqueue("--kind", "resize")
+    s.work()
+    s.work()
+    assert s.show(job)["attempts"] == 0
+    s.drop(f"{job}.json", '{"command": "true"}')  # replaced: a command job now, under the same name
+    s.work()
+    assert s.show(job)["state"] == "done"
+
+
 def test_the_python_api_leaves_a_kind_it_has_no_handler_for_waiting(fast_spool):
     s = fast_spool
     job = s.enqueue("--kind", "ping")

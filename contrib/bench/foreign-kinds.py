@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Do handler jobs that no worker can run slow the drain of the others?
 
-Usage: foreign-kinds.py SCRATCH_DIR [OTHERS] [FOREIGN] [ROUNDS] [command|handler]
-       (default 2000 others, 10000 foreign jobs, 5 rounds, command)
+Usage: foreign-kinds.py SCRATCH_DIR [OTHERS] [FOREIGN] [ROUNDS] [command|handler] [cold|warm]
+       (default 10000 others, 10000 foreign jobs, 5 rounds, command, warm)
 
 Each round fills two spools in SCRATCH_DIR (fsync off, no compaction) with
 OTHERS jobs: `true` command jobs, or with `handler` no-op handler jobs of a
@@ -14,7 +14,10 @@ goes first alternates by round). The foreign jobs are left waiting, and
 the figure is the drain's slowdown: the median with them over the median
 without, in wall-clock time and in the CPU time of the drain's processes
 (the worker and its jobs; steadier than wall-clock time on a busy
-machine). Removes nothing; delete SCRATCH_DIR afterwards.
+machine). `warm`: a worker has run on both spools before the others are
+enqueued (so it met the foreign jobs already, as on a spool where they
+wait while workers come and go); `cold`: the drain is the first worker to
+meet them. Removes nothing; delete SCRATCH_DIR afterwards.
 """
 
 import os
@@ -29,7 +32,7 @@ from spoolq import Spool
 APP = "def noop(payload):\n    return None\n\nHANDLERS = {'noop': noop}\n"
 
 
-def fill(path: str, others: int, foreign: int, what: str) -> None:
+def fill(path: str, others: int, foreign: int, what: str, warm: bool, app_dir: str) -> None:
     spool = Spool(path)
     spool.init()
     spool.config_set("fsync", False)
@@ -41,6 +44,10 @@ def fill(path: str, others: int, foreign: int, what: str) -> None:
             jobs.append(job)
         if i < foreign:
             jobs.append({"kind": "elsewhere", "payload": {"n": i}})
+    if warm:  # the foreign jobs first, met by a worker before the others come
+        spool.enqueue_many([j for j in jobs if j.get("kind") == "elsewhere"])
+        drain(path, what, app_dir)
+        jobs = [j for j in jobs if j.get("kind") != "elsewhere"]
     for start in range(0, len(jobs), 10000):
         spool.enqueue_many(jobs[start:start + 10000])
 
@@ -63,10 +70,11 @@ def drain(path: str, what: str, app_dir: str) -> tuple[float, float]:
 
 def main() -> None:
     scratch = sys.argv[1]
-    others = int(sys.argv[2]) if len(sys.argv) > 2 else 2000
+    others = int(sys.argv[2]) if len(sys.argv) > 2 else 10000
     foreign = int(sys.argv[3]) if len(sys.argv) > 3 else 10000
     rounds = int(sys.argv[4]) if len(sys.argv) > 4 else 5
     what = sys.argv[5] if len(sys.argv) > 5 else "command"
+    warm = (sys.argv[6] if len(sys.argv) > 6 else "warm") == "warm"
     os.makedirs(scratch, exist_ok=True)
     app_dir = os.path.join(scratch, "app")
     os.makedirs(app_dir, mode=0o755, exist_ok=True)
@@ -77,7 +85,7 @@ def main() -> None:
         paths = {}
         for label, n in (("without", 0), ("with", foreign)):
             paths[label] = os.path.join(scratch, f"r{r}-{label}")
-            fill(paths[label], others, n, what)
+            fill(paths[label], others, n, what, warm, app_dir)
         order = ("without", "with") if r % 2 == 0 else ("with", "without")
         for label in order:
             times[label].append(drain(paths[label], what, app_dir))
@@ -85,7 +93,8 @@ def main() -> None:
             assert left == (foreign if label == "with" else 0), (label, left)
         (w0, c0), (w1, c1) = times["without"][-1], times["with"][-1]
         print(f"round {r + 1}: without {w0:.3f}s ({c0:.3f}s CPU), with {w1:.3f}s ({c1:.3f}s CPU)", file=sys.stderr)
-    print(f"{others} {what} jobs drained beside {foreign} waiting jobs of a foreign kind, medians of {rounds} rounds:")
+    print(f"{others} {what} jobs drained beside {foreign} waiting jobs of a foreign kind ({'warm' if warm else 'cold'}), "
+          f"medians of {rounds} rounds:")
     for i, measure in enumerate(("wall-clock", "CPU")):
         without = statistics.median(t[i] for t in times["without"])
         with_ = statistics.median(t[i] for t in times["with"])
