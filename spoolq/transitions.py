@@ -650,7 +650,7 @@ def mv_command(src: str, dst: str) -> str:
         spelt = "".join(chr(b) if 32 <= b < 127 and chr(b) not in "'\\%" else f"\\{b:03o}" for b in raw)
         words.append((f"f{i}=$(printf '{spelt}x') && ", f'"${{f{i}%x}}"'))
     prefix = "".join(w[0] for w in words if isinstance(w, tuple))
-    return prefix + "mv -- " + " ".join(w[1] if isinstance(w, tuple) else w for w in words)
+    return prefix + "mv " + " ".join(w[1] if isinstance(w, tuple) else w for w in words)
 
 
 def runs_as_another(ctx: Context, st: os.stat_result, job: dict) -> str | None:
