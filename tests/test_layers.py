@@ -23,7 +23,7 @@ LAYERS = [
     ["config", "protocol"],
     ["output", "waker"],
     ["registry", "runner", "watcher"],
-    ["index", "transitions"],
+    ["forkserver", "index", "transitions"],
     ["compact", "pickup", "recovery"],
     ["store"],  # the narrow storage interface the worker uses, and the directory's
     ["commit", "outcomes", "strategies"],  # group commit; recording outcomes; -j 1 and -j N
