@@ -76,7 +76,7 @@ def _once(conn, settings: dict, report: Report) -> int:
 
 
 def _recover_job(conn, settings: dict, row: tuple, report: Report) -> str | None:
-    job_id, token, text, due, claimed_at, worker, host, boot, proc_start, uid, run = row
+    job_id, token, text, due, claimed_at, worker, host, boot, proc_start, uid, run, _ = row
     if worker is not None and host == os.uname().nodename and boot and boot == procs.boot_id() \
             and isinstance(proc_start, int):
         killed, refused = procs.kill_run(worker, boot, proc_start, uid, _run_of(job_id, run))
