@@ -69,11 +69,18 @@ def find_bindir() -> str | None:
     return None
 
 
-class PgServer:
-    """One PostgreSQL server in a temporary folder."""
+# Tuned for tests: nothing waits for the disk.
+TEST_SETTINGS = {"fsync": "off", "full_page_writes": "off", "shared_buffers": "32MB", "max_connections": "300",
+                 "log_min_messages": "warning", "autovacuum_naptime": "5s"}
 
-    def __init__(self, bindir: str):
+
+class PgServer:
+    """One PostgreSQL server in a temporary folder (``settings``: the
+    server's, over TEST_SETTINGS)."""
+
+    def __init__(self, bindir: str, settings: dict[str, str] | None = None):
         self.bindir = bindir
+        self.settings = dict(TEST_SETTINGS, **(settings or {}))
         self.base = ""
         self.as_root = os.geteuid() == 0
         self._watchdog: subprocess.Popen | None = None
@@ -105,11 +112,8 @@ class PgServer:
         data = os.path.join(self.base, "data")
         self._run(os.path.join(self.bindir, "initdb"), "-D", data, "-A", "trust", "-U", SUPERUSER,
                   "-E", "UTF8", "--locale=C", "--no-sync", "--no-instructions")
-        options = " ".join([
-            "-c listen_addresses=''", f"-c unix_socket_directories={self.base}", f"-c port={PORT}",
-            "-c fsync=off", "-c full_page_writes=off", "-c shared_buffers=32MB",
-            "-c max_connections=300", "-c log_min_messages=warning", "-c autovacuum_naptime=5s",
-        ])
+        options = " ".join(["-c listen_addresses=''", f"-c unix_socket_directories={self.base}", f"-c port={PORT}"]
+                           + [f"-c {name}={value}" for name, value in self.settings.items()])
         self._run(os.path.join(self.bindir, "pg_ctl"), "-D", data, "-l", os.path.join(self.base, "log"),
                   "-o", options, "-w", "-t", "60", "start")
 

@@ -82,13 +82,14 @@ class PgBackend:
 
     # -- connections and lifecycle -------------------------------------------
 
-    def _connect(self, autocommit: bool = True, synchronous_commit: str | None = None) -> Any:
-        return connect(self.url, autocommit=autocommit, synchronous_commit=synchronous_commit)
+    def _connect(self, synchronous_commit: str | None = None) -> Any:
+        return connect(self.url, synchronous_commit=synchronous_commit)
 
     def _conn(self, name: str, fresh: bool = False) -> Any:
-        """The connection for ``name``: ``auto`` (commands and reads,
-        autocommit), ``claim`` (autocommit, commits not waited on) or
-        ``finish`` (transactions: the group commit)."""
+        """The connection for ``name``: ``auto`` (commands and reads),
+        ``claim`` (claims: their commits not waited on) or ``finish`` (the
+        group commit: waited on when fsync is on). All in autocommit mode:
+        what needs a transaction opens one."""
         with self._conn_lock:
             conn = self._conns.get(name)
             if conn is not None and not fresh and not conn.closed and not conn.broken:
@@ -97,8 +98,6 @@ class PgBackend:
                 conn.close()
             if name == "claim":
                 conn = self._connect(synchronous_commit="off")
-            elif name == "finish":
-                conn = self._connect(autocommit=False)
             else:
                 conn = self._connect(synchronous_commit=None if self._fsync() else "off")
             self._conns[name] = conn
@@ -108,9 +107,13 @@ class PgBackend:
         return bool(self.settings["fsync"]) if self.settings.loaded else True
 
     def _settings_loaded(self, settings: Any) -> None:
-        auto = self._conns.get("auto")
-        if auto is not None and not auto.closed:
-            auto.execute(f"SET synchronous_commit = {'on' if settings['fsync'] else 'off'}")
+        for name in ("auto", "finish"):
+            conn = self._conns.get(name)
+            if conn is not None and not conn.closed:
+                try:
+                    conn.execute(f"SET synchronous_commit = {'on' if settings['fsync'] else 'off'}")
+                except psycopg_module().Error:
+                    conn.close()  # opened again, with the setting, when next needed
 
     @property
     def durable(self) -> bool:

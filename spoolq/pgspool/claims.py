@@ -1,14 +1,14 @@
 """A worker's claims and finishes in a PostgreSQL spool: ``claim_next``
 (the first due job, skipping what other workers hold; a record that can
 never run goes to dead with the reason), ``finish`` (the record shaped as
-the directory spool shapes it, written under the claim's token in a
-transaction left open), ``commit`` (one COMMIT makes every pending finish
-durable: the worker's group commit) and ``unclaim``.
+the directory spool shapes it, kept until the commit), ``commit`` (one
+statement writes every pending finish under its claim's token and commits:
+the worker's group commit) and ``unclaim``.
 
 Claims are committed at once and not waited on for durability (a claim a
 server crash loses only means the job runs again, as a claim lost to a
 power cut does in the directory spool); finishes are durable when
-``fsync`` is on. Should the connection break before a commit, the pending
+``fsync`` is on. Should the connection break during a commit, the pending
 finishes are sent again on a new one: each carries its token, so one that
 had been committed after all, or whose job was recovered meanwhile,
 changes nothing.
@@ -16,6 +16,7 @@ changes nothing.
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -116,8 +117,9 @@ class Claims:
     # -- finishes ------------------------------------------------------------
 
     def finish(self, claim: Claim, out: Any, worker_id: str) -> Finished:
-        """Record a run's outcome, pending until ``commit``. A run that a
-        fence killed is recorded as the interrupted run it was."""
+        """Record a run's outcome, pending until ``commit`` (nothing is sent
+        before). A run that a fence killed is recorded as the interrupted
+        run it was."""
         reg = self._reg()
         if reg is not None and reg.was_fenced(claim.job_id):
             out = shaping.fenced(out)
@@ -126,65 +128,54 @@ class Claims:
                   "target": record.target_label(claim.job), "delay": delay}
         done = Finished(state=state, due=time.time() + delay if delay is not None else None, claim=claim,
                         params=params)
-        psycopg = psycopg_module()
         with self._lock:
             self._pending.append(done)
-            try:
-                self._write(self._conn("finish"), done, first=len(self._pending) == 1)
-            except psycopg.OperationalError:
-                pass  # sent again by commit, on a new connection
         return done
 
-    def _write(self, conn, done: Finished, first: bool) -> None:
-        if first and not self.settings["fsync"]:
-            conn.execute("SET LOCAL synchronous_commit = off")
-        row = conn.execute(queries.FINISH, done.params).fetchone()
-        if row is None:
-            done.lost = True
-            done.state = None
-            return
-        if done.params["state"] == "failed":
-            done.due = row[0]
-            conn.execute(queries.NOTIFY)
-
     def commit(self) -> None:
-        """Make every pending finish durable (one COMMIT). Raises
-        Unavailable when the database stays out of reach for REPLAY_FOR
-        seconds: those finishes are not recorded (their jobs stay running
-        under this worker, for recovery once it is gone)."""
-        psycopg = psycopg_module()
+        """Make every pending finish durable: one statement, one commit. A
+        finish whose claim was lost comes back ``lost``. Raises Unavailable
+        when the database stays out of reach for REPLAY_FOR seconds: those
+        finishes are not recorded (their jobs stay running under this
+        worker, for recovery once it is gone)."""
         with self._lock:
             pending, self._pending = self._pending, []
-            if not pending:
-                return
-            try:
-                self._conn("finish").commit()
-            except psycopg.OperationalError:
-                self._replay(pending)
-            for done in pending:
-                done.pending = False
-
-    def _replay(self, pending: list[Finished]) -> None:
+        if not pending:
+            return
         psycopg = psycopg_module()
+        rows = json.dumps([[done.params[key] for key in ("id", "token", "state", "record", "target", "delay")]
+                           for done in pending])
         deadline = time.monotonic() + REPLAY_FOR
-        delay = 0.1
+        delay, again = 0.1, False
         while True:
             try:
-                conn = self._conn("finish", fresh=True)
-                for i, done in enumerate(pending):
-                    done.lost = False
-                    self._write(conn, done, first=i == 0)
-                    if done.lost:  # no running row: committed before the connection broke, or lost for good
-                        row = conn.execute(queries.FINISHED_ALREADY, done.params).fetchone()
-                        if row and row[0]:
-                            done.lost, done.state = False, done.params["state"]
-                conn.commit()
-                return
+                conn = self._conn("finish", fresh=again)
+                written = {row[0]: row[1] for row in conn.execute(queries.FINISH_MANY, (rows,))}
+                if again and len(written) < len(pending):
+                    written.update(self._written_before(conn, pending, written))
+                break
             except psycopg.OperationalError as e:
                 if time.monotonic() + delay > deadline:
                     raise Unavailable(f"cannot record {len(pending)} outcomes: {first_line(e)}") from None
                 time.sleep(delay)
-                delay = min(2.0, delay * 2)
+                delay, again = min(2.0, delay * 2), True
+        for done in pending:
+            done.pending = False
+            if done.claim.job_id not in written:
+                done.lost, done.state, done.due = True, None, None
+            elif done.state == "failed":
+                done.due = written[done.claim.job_id]
+
+    def _written_before(self, conn, pending: list[Finished], written: dict) -> dict:
+        """The finishes a statement sent before the connection broke had
+        committed after all (the job's record is the one it wrote)."""
+        found = {}
+        for done in pending:
+            if done.claim.job_id not in written:
+                row = conn.execute(queries.FINISHED_ALREADY, done.params).fetchone()
+                if row and row[0]:
+                    found[done.claim.job_id] = row[1]
+        return found
 
 
 def _is_object(text: str) -> bool:

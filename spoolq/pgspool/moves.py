@@ -7,6 +7,7 @@ is waited for (briefly), never changed under it.
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Callable
 
@@ -34,7 +35,7 @@ def enqueue(conn, items: list[tuple[str, Any, float | None]], existing_ok: bool 
     psycopg = psycopg_module()
     ids = [job_id for job_id, _, _ in items]
     texts = [_text(data) for _, data, _ in items]
-    params = {"ids": ids, "records": texts, "dues": [due for _, _, due in items]}
+    params = {"jobs": json.dumps([[job_id, text, due] for job_id, text, (_, _, due) in zip(ids, texts, items)])}
     try:
         conn.execute(queries.ENQUEUE.format(conflict=""), params)
         return ids

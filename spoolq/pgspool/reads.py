@@ -80,17 +80,19 @@ def listing(conn, state: str | None = None, limit: int | None = None,
     """Records oldest first, by (due or finish time, id); ``state`` is one
     of the shown names. Read a page at a time: a long listing holds no
     transaction open."""
-    states = [STORED[state]] if state else list(SHOWN)
+    # The states written out (they are STORED's, never the caller's text):
+    # the planner then sees which partial index covers them.
+    states = ", ".join(f"'{s}'" for s in ([STORED[state]] if state else list(SHOWN)))
     after: tuple | None = None
     left = limit
     while left is None or left > 0:
         page = PAGE if left is None else min(PAGE, left)
-        params: dict[str, Any] = {"states": states, "since": since if since is not None else 0.0, "page": page}
+        params: dict[str, Any] = {"since": since if since is not None else 0.0, "page": page}
         keyset = ""
         if after is not None:
             keyset = "AND (j.at, j.id) > (%(at)s, %(id)s)"
             params.update(at=after[0], id=after[1])
-        rows = conn.execute(ROW + f""" WHERE j.state = ANY(%(states)s) AND NOT j.purged
+        rows = conn.execute(ROW + f""" WHERE j.state IN ({states}) AND NOT j.purged
               AND j.at >= to_timestamp(%(since)s) {keyset} ORDER BY j.at, j.id LIMIT %(page)s""", params).fetchall()
         for row in rows:
             yield shaped(row)

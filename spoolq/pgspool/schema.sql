@@ -36,8 +36,11 @@ CREATE TABLE spoolq.jobs (
 CREATE INDEX jobs_due ON spoolq.jobs (at, id) WHERE state IN ('new', 'failed');
 -- Recovery and status: who runs what.
 CREATE INDEX jobs_running ON spoolq.jobs (worker) WHERE state = 'running';
--- Listings, counts and retention.
-CREATE INDEX jobs_by_state ON spoolq.jobs (state, at, id);
+-- Listings of finished jobs, stats and retention. (No index covers the
+-- running state and the waiting ones at once: a claim and a finish each
+-- add entries only to the primary key and to the one index of the state
+-- the job goes to.)
+CREATE INDEX jobs_finished ON spoolq.jobs (at, id) WHERE state IN ('done', 'dead');
 
 -- One row per worker registration. Its worker holds the session advisory
 -- lock (1397772113, id) on a connection of its own for as long as it lives:
