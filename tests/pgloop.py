@@ -8,7 +8,7 @@ environment (SPOOLQ_WORKER, SPOOLQ_JOB_ID), and its process group is noted
 in the registration, as the worker does; a handler job (``kind``) is a no-op.
 Each outcome, once committed, is one JSON line on stdout.
 
-    python pgloop.py URL [--watch] [--max-jobs N]
+    python pgloop.py URL [--watch]
 """
 
 from __future__ import annotations
@@ -54,11 +54,31 @@ def run(backend: PgBackend, reg, claim) -> Outcome:
     return Outcome(start=start, end=time.time(), exit_code=code, error=error)
 
 
+def step(backend: PgBackend, reg, waker, watch: bool) -> bool:
+    """Run one job, or wait for one (True); or find none (False: drained)."""
+    claim = backend.claim_next()
+    if claim is None:
+        backend.commit()
+        if not watch:
+            return False
+        backend.housekeeping()
+        due = backend.next_due()
+        waker.wait(1.0 if due is None else min(1.0, max(0.0, due)))
+        waker.clear()
+        return True
+    say(event="claimed", id=claim.job_id, at=time.time())
+    out = run(backend, reg, claim)
+    done = backend.finish(claim, out, reg.worker_id)
+    backend.commit()
+    reg.end_run(claim.job_id)
+    say(event="finished", id=claim.job_id, state=done.state, lost=done.lost, attempt=claim.attempt)
+    return True
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("url")
     ap.add_argument("--watch", action="store_true")
-    ap.add_argument("--max-jobs", type=int)
     args = ap.parse_args()
     backend = PgBackend(args.url)
     backend.log = lambda text: say(event="log", text=text)
@@ -70,29 +90,13 @@ def main() -> int:
         waker.start()
         waker.listening.wait(10)
     backend.recover()
-    ran = 0
-    while args.max_jobs is None or ran < args.max_jobs:
+    while True:
         try:
-            claim = backend.claim_next()
-        except Unavailable:
-            time.sleep(0.05)
-            continue
-        if claim is None:
-            backend.commit()
-            if not args.watch:
+            if not step(backend, reg, waker, args.watch):
                 break
-            backend.housekeeping()
-            due = backend.next_due()
-            waker.wait(1.0 if due is None else min(1.0, max(0.0, due)))
-            waker.clear()
-            continue
-        say(event="claimed", id=claim.job_id, at=time.time())
-        out = run(backend, reg, claim)
-        done = backend.finish(claim, out, reg.worker_id)
-        backend.commit()
-        reg.end_run(claim.job_id)
-        ran += 1
-        say(event="finished", id=claim.job_id, state=done.state, lost=done.lost, attempt=claim.attempt)
+        except Unavailable as e:  # the database is out of reach, or this worker is registering again
+            say(event="log", text=f"unavailable: {e}")
+            time.sleep(0.1)
     if waker:
         waker.stop()
     reg.close()

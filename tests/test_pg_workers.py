@@ -35,6 +35,7 @@ else:
 
 from spoolq.pgspool import PgBackend  # noqa: E402
 from spoolq.pgspool.liveness import HEARTBEAT, LOST_AFTER, RECOVERY_GRACE  # noqa: E402
+from spoolq.pgspool.types import Unavailable  # noqa: E402
 
 LOOP = str(Path(__file__).with_name("pgloop.py"))
 
@@ -262,3 +263,25 @@ def test_a_waiting_worker_picks_a_new_job_up_within_100_ms(spool, loops):
         claimed = wait_for(lambda: worker.first("claimed", id=f"w{i}"), 30, interval=0.005, what=f"w{i}")
         latencies.append(claimed["at"] - sent)
     assert statistics.median(latencies) < 0.1, latencies
+
+
+def test_a_server_restarted_under_load_loses_nothing(pg_server, spool, loops):
+    n = 1500
+    spool.enqueue([job(f"r{i:05d}") for i in range(n)])
+    workers = [loops(), loops()]
+    wait_for(lambda: sum(len(w.events("finished")) for w in workers) >= 200, 120, what="the drain to get going")
+    pg_server.restart()
+
+    def done() -> bool:
+        try:
+            return spool.counts()["done"] == n
+        except Unavailable:
+            return False
+
+    wait_for(done, 300, interval=0.5, what="every job to be done")
+    counts = spool.counts()
+    assert (counts["new"], counts["cur"], counts["failed"], counts["dead"]) == (0, 0, 0, 0)
+    with psycopg.connect(spool.url) as conn:
+        ok = conn.execute("SELECT count(*) FROM spoolq.jobs, spoolq.runs_of(record) WHERE NOT failed").fetchone()[0]
+    assert ok == n  # one successful run each
+    assert all(w.proc.poll() is None for w in workers)  # the workers rode it out

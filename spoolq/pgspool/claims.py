@@ -154,7 +154,7 @@ class Claims:
                 if again and len(written) < len(pending):
                     written.update(self._written_before(conn, pending, written))
                 break
-            except psycopg.OperationalError as e:
+            except (psycopg.OperationalError, Unavailable) as e:
                 if time.monotonic() + delay > deadline:
                     raise Unavailable(f"cannot record {len(pending)} outcomes: {first_line(e)}") from None
                 time.sleep(delay)

@@ -13,6 +13,7 @@ import urllib.parse
 from typing import Any
 
 from ..errors import SpoolError
+from .types import Unavailable
 
 SCHEMES = ("postgresql://", "postgres://")
 
@@ -91,8 +92,9 @@ def conninfo(url: str, application: str = "spoolq", synchronous_commit: str | No
 
 def connect(url: str, autocommit: bool = True, application: str = "spoolq",
             synchronous_commit: str | None = None):
-    """A new connection, or SpoolError naming the location (never the
-    password) and the server's reason."""
+    """A new connection, or the reason why not naming the location (never
+    the password): Unavailable when the server cannot be reached (or
+    refuses the connection), SpoolError for a URL libpq cannot use."""
     psycopg = psycopg_module()
     try:
         info = conninfo(url, application, synchronous_commit)
@@ -100,6 +102,8 @@ def connect(url: str, autocommit: bool = True, application: str = "spoolq",
         raise SpoolError(f"{without_password(url)} is not a valid PostgreSQL URL: {first_line(e)}") from None
     try:
         return psycopg.connect(info, autocommit=autocommit)
+    except psycopg.OperationalError as e:  # the server cannot be reached, or refuses us
+        raise Unavailable(f"cannot connect to {without_password(url)}: {first_line(e)}") from None
     except psycopg.Error as e:
         raise SpoolError(f"cannot connect to {without_password(url)}: {first_line(e)}") from None
 

@@ -225,7 +225,7 @@ class PgWorkerReg:
             failed = None
             while (result := pgconn.get_result()) is not None:
                 if result.error_message:
-                    failed = result.error_message.decode(errors="replace").strip()
+                    failed = _one_line(result.error_message.decode(errors="replace"))
             if failed or pgconn.status != 0:
                 raise Lost(failed or "the session ended")
         except Lost:

@@ -43,10 +43,16 @@ def enqueue(conn, items: list[tuple[str, Any, float | None]], existing_ok: bool 
         pass  # (a statement in autocommit: nothing of it stayed)
     new = dict(zip(ids, texts))
     with conn.transaction():
+        there = set()
         for job_id, state, text in conn.execute(queries.EXISTING, (ids,)):
             if not (existing_ok and _same_job(text, new[job_id])):
                 raise DuplicateId(f"id {job_id} is already in the spool ({SHOWN[state]})")
-        conn.execute(queries.ENQUEUE.format(conflict="ON CONFLICT (id) DO NOTHING"), params)
+            there.add(job_id)
+        inserted = {row[0] for row in conn.execute(queries.ENQUEUE.format(conflict="ON CONFLICT (id) DO NOTHING"),
+                                                    params)}
+        taken = set(ids) - there - inserted
+        if taken:  # enqueued by someone else since we looked: refused, all of the batch with it
+            raise DuplicateId(f"id {min(taken)} is already in the spool")
     return ids
 
 

@@ -25,7 +25,7 @@ CREATE TABLE spoolq.jobs (
     token       bigint,                         -- the claim's fencing token (running)
     claimed_at  timestamptz,                    -- when the run under way (or the last) was claimed
     created_at  timestamptz NOT NULL DEFAULT now(),
-    enqueued_by name NOT NULL DEFAULT current_user,
+    enqueued_by text NOT NULL DEFAULT current_user,
     target      text,                           -- what stats group by (kind, else program), set as it finishes
     valid       boolean NOT NULL DEFAULT true,  -- false: the record is no job at all (dead, with the reason)
     reason      text,                           -- why a job that can never run is dead
@@ -55,7 +55,7 @@ CREATE TABLE spoolq.workers (
     proc_start  bigint,                         -- the worker process's start, in clock ticks since boot
     started_at  timestamptz NOT NULL DEFAULT now(),
     session_pid integer NOT NULL DEFAULT pg_backend_pid(),
-    db_user     name NOT NULL DEFAULT current_user,
+    db_user     text NOT NULL DEFAULT current_user,
     runs        jsonb NOT NULL DEFAULT '{}',    -- job id -> {attempt, started_at, pgid, spawned}
     lost_at     timestamptz                     -- when a recovery first found its lock free
 );

@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 from .. import procs
 from ..waker import Waker
+from .connect import first_line
 
 CHANNEL = "spoolq_jobs"
 RETRY_FIRST = 0.1
@@ -71,7 +72,7 @@ class PgWaker(Waker):
                 self._listen(conn.pgconn)
             except Exception as e:
                 if not self._stopping:
-                    self._log(f"listening for new jobs failed: {e}; listening again")
+                    self._log(f"listening for new jobs failed: {first_line(e)}; listening again")
             finally:
                 self.listening.clear()
                 conn.close()
