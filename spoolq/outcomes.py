@@ -13,7 +13,8 @@ from typing import Any
 
 from .errors import ForcedStop
 from .output import quoted, wants
-from .runner import STOPPED_NOW, Outcome
+from .record import Outcome
+from .runner import STOPPED_NOW
 from .store import Claimed
 
 

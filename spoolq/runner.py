@@ -45,38 +45,10 @@ from typing import Any, Callable
 
 from . import linux, procs, record
 from .errors import ForkServerGone, Permanent  # noqa: F401 - Permanent: importable from here too
+from .record import NO_RESULT, Outcome  # noqa: F401 - Outcome: importable from here too
 
 PERMANENT_EXIT = 100
 STOPPED_NOW = "killed: the worker was told to stop now"  # the error of a run a forced stop ended or kept from starting
-
-
-_NO_RESULT = object()
-
-
-@dataclass(slots=True)
-class Outcome:
-    """What one run produced."""
-
-    start: float
-    end: float = 0.0
-    exit_code: int | None = None
-    error: str | None = None
-    stdout: str | None = None
-    stderr: str | None = None
-    result: Any = _NO_RESULT
-    permanent: bool = False
-    timed_out: bool = False
-    interrupted: bool = False
-    not_started: bool = False  # stopped before it began: no run to count (the job goes back as it was)
-    exit_request: Any = _NO_RESULT  # the code of a sys.exit() in a handler (see call_handler)
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None and (self.exit_code in (None, 0)) and not self.interrupted
-
-    @property
-    def has_result(self) -> bool:
-        return self.result is not _NO_RESULT
 
 
 @dataclass(slots=True)
@@ -946,7 +918,7 @@ def _end_forked_child(out: Outcome) -> None:
     return and 1 for an exception; what it printed flushed first (to the
     worker's streams: its job's record is the worker's to write)."""
     code = 0 if out.error is None else 1
-    if out.exit_request is not _NO_RESULT:
+    if out.exit_request is not NO_RESULT:
         request = out.exit_request
         code = request if isinstance(request, int) else (0 if request is None else 1)
     captured = (getattr(_capture, "stdout", None), getattr(_capture, "stderr", None))

@@ -45,7 +45,8 @@ from .outcomes import Recorder
 from .output import Log, as_log, field, log_what_waits, quoted  # noqa: F401 - Log, log_what_waits: importable from here too
 from .protocol import Entry, id_of, id_problem
 from .registry import Registration
-from .runner import STOPPED_NOW, Limits, Outcome, RunHandle, RunPlan, call_handler, fork_handler, inheritable_fds, run_process
+from .record import Outcome
+from .runner import STOPPED_NOW, Limits, RunHandle, RunPlan, call_handler, fork_handler, inheritable_fds, run_process
 from .store import WRITER_GRACE, Claimed, Store
 from .strategies import Serial, Slots
 from .waker import Waker
