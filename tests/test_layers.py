@@ -22,7 +22,7 @@ LAYERS = [
     ["owners", "procs", "record"],
     ["config", "protocol"],
     ["output", "waker"],
-    ["registry", "runner", "watcher"],
+    ["backend", "registry", "runner", "watcher"],  # backend: the storage port every spool implements
     ["forkserver", "index", "transitions"],
     ["compact", "pickup", "recovery"],
     ["store"],  # the narrow storage interface the worker uses, and the directory's
