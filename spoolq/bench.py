@@ -21,10 +21,10 @@ from typing import Any, Callable
 from .linux import syncfs
 from .output import Log
 from .pool import run_workers
-from .protocol import refuse_non_directory
+from .dirspool.protocol import refuse_non_directory
 from .record import parse_time
 from .spool import Spool
-from .watcher import make_waker
+from .dirspool.watcher import make_waker
 from .worker import SCAN_LIMIT
 
 SPOOLQ_CMD = [sys.executable, "-m", "spoolq"]

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 from .errors import ForcedStop
 from .record import Outcome
-from .store import Claimed, Store
+from .dirspool.backend import Claimed, Store
 
 COMMIT_JOBS = 64  # at most this many finished jobs share one folder fsync ...
 COMMIT_SECONDS = 0.05  # ... and none waits longer than this for it

@@ -2,7 +2,7 @@
 from spoolq, so any module may raise or catch any of them.
 
 The modules that raise them import them from here; the names stay
-importable from those modules too (``from spoolq.protocol import
+importable from those modules too (``from spoolq.dirspool.protocol import
 NotASpool``) and the public ones from ``spoolq``.
 """
 

@@ -14,8 +14,8 @@ import time
 from typing import Any, Callable
 
 from . import config, record
-from .index import RUN_SECONDS_BUCKETS, histogram_counts, run_counts, run_summary
-from .protocol import STATES, NotRegular, id_of
+from .dirspool.index import RUN_SECONDS_BUCKETS, histogram_counts, run_counts, run_summary
+from .dirspool.protocol import STATES, NotRegular, id_of
 
 # The order folders are read in: a job moves new -> cur -> failed/dead/done
 # (and failed -> cur, dead -> new), so most moves during a scrape go to a

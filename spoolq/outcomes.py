@@ -15,7 +15,7 @@ from .errors import ForcedStop
 from .output import quoted, wants
 from .record import Outcome
 from .runner import STOPPED_NOW
-from .store import Claimed
+from .dirspool.backend import Claimed
 
 
 class Recorder:

@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 
 from .errors import ConfigError, DuplicateId, InvalidJob, NoSuchGroup, NotASpool, NotPossible, SpoolError
 from .ids import id_problem
-from .protocol import refuse_inside_spool, refuse_non_directory
+from .dirspool.protocol import refuse_inside_spool, refuse_non_directory
 from .record import rfc3339
 
 LOGGER = "spoolq"  # the logger whose records the worker's log lines are

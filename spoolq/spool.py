@@ -27,7 +27,7 @@ from .errors import (  # noqa: F401 - importable from here too
     SpoolError,
 )
 from .owners import swappable, user_name
-from .protocol import DROP, STATES, SpoolDir, file_name, id_of, id_problem, new_id, refuse_non_directory
+from .dirspool.protocol import DROP, STATES, SpoolDir, file_name, id_of, id_problem, new_id, refuse_non_directory
 from .views import Views
 
 #: Seconds a member's cancel or retry waits for a worker to answer its
@@ -158,7 +158,7 @@ class Spool(Views):
 
     def context(self):
         """The transition context (settings, trust, index look-ups)."""
-        from .transitions import Context  # imported here: start-up speed (transitions pulls in the runner and subprocess)
+        from .dirspool.transitions import Context  # imported here: start-up speed (transitions pulls in the runner and subprocess)
 
         return Context(self.dir, self.settings, index_has=self._index_has)
 
@@ -325,7 +325,7 @@ class Spool(Views):
         if self._index is None:
             if not create and _empty_or_missing(os.path.join(self.path, "index.db")):
                 return None
-            from .index import Index  # imported here: start-up speed (sqlite3; enqueue never needs it)
+            from .dirspool.index import Index  # imported here: start-up speed (sqlite3; enqueue never needs it)
 
             self._index = Index(os.path.join(self.path, "index.db"), durable=bool(self.settings["fsync"]), shared=self.dir.shared)
         return self._index
@@ -338,7 +338,7 @@ class Spool(Views):
         tmp/ files older than 36 hours. ``keep=0`` drops every finished
         job's row, the ones just folded included (the command asks for
         ``--yes`` before it does that)."""
-        from .compact import compact  # imported here: start-up speed (as the index)
+        from .dirspool.compact import compact  # imported here: start-up speed (as the index)
 
         self._open(create=True)
         self.dir.require_owner("compact it")
@@ -346,7 +346,7 @@ class Spool(Views):
 
     def purge_dead(self, older_than: float) -> dict[str, int]:
         """Clear dead jobs older than ``older_than`` seconds into index.db."""
-        from .compact import purge_dead  # imported here: start-up speed (as the index)
+        from .dirspool.compact import purge_dead  # imported here: start-up speed (as the index)
 
         self._open()
         self.dir.require_owner("purge it")
@@ -359,7 +359,7 @@ class Spool(Views):
         """Finished jobs, throughput, wait time (due to start) and run time
         (p50, p95, max) in total and per kind or program, from index.db plus
         the records still in done/ and dead/. ``since``: epoch seconds."""
-        from .index import Index, stats  # imported here: start-up speed (as in index())
+        from .dirspool.index import Index, stats  # imported here: start-up speed (as in index())
 
         self._open()
         extra = []
@@ -385,7 +385,7 @@ class Spool(Views):
         or NotPossible with the reason instead of returning False.
         ``on_note(message)`` hears of a job cancelled whose record could not
         be updated after its move (a full disk): it reads as cancelled."""
-        from . import transitions  # imported here: start-up speed (as in context())
+        from .dirspool import transitions  # imported here: start-up speed (as in context())
 
         self._open()
         try:
@@ -402,7 +402,7 @@ class Spool(Views):
     def retry(self, job_id: str, check: bool = False, on_note: Callable[[str], None] | None = None) -> bool:
         """Move a dead job back to new/ with a fresh round of attempts, also
         one purged into index.db (``check`` and ``on_note`` as for ``cancel``)."""
-        from . import transitions  # imported here: start-up speed (as in context())
+        from .dirspool import transitions  # imported here: start-up speed (as in context())
 
         self._open()
         try:
@@ -415,7 +415,7 @@ class Spool(Views):
                     index = self.index() if not id_problem(job_id) else None
                     if index is None or not index.has(job_id):
                         raise
-                    from .compact import retry_purged  # imported here: start-up speed (as the index)
+                    from .dirspool.compact import retry_purged  # imported here: start-up speed (as the index)
 
                     retry_purged(self.context(), index, job_id, on_note)
             return True
@@ -428,7 +428,7 @@ class Spool(Views):
                   on_note: Callable[[str], None] | None = None) -> list[str]:
         """Move every dead job back to new/; returns their ids. One that
         cannot go stays in dead/ unchanged; ``on_problem(message)`` says why."""
-        from . import transitions  # imported here: start-up speed (as in context())
+        from .dirspool import transitions  # imported here: start-up speed (as in context())
 
         self._open()
         if self.dir.member:
@@ -480,7 +480,7 @@ class Spool(Views):
     def sweep(self):
         """The recovery step alone: return abandoned jobs from cur/ (killing
         what their runs left) and remove stale tmp/ files."""
-        from . import recovery  # imported here: start-up speed (as in context())
+        from .dirspool import recovery  # imported here: start-up speed (as in context())
 
         _require_runner(self.dir, "sweep it", "sweep")
         self._open(create=True)
@@ -493,7 +493,7 @@ class Spool(Views):
         self.dir.remove_stale_spares()
         self.dir.remove_stale_reasons()
         if self.dir.shared:
-            from .pickup import Pickup  # imported here: start-up speed (as recovery)
+            from .dirspool.pickup import Pickup  # imported here: start-up speed (as recovery)
 
             picked = Pickup(self.context()).drain()
             report.picked_up, report.dropped_dead = picked.picked, picked.dead
@@ -553,7 +553,7 @@ class Spool(Views):
     def _worker(self, **options: Any):
         """A Worker on this spool: the spool directory as its store (with the
         shared settings) and this spool's compaction, nothing more of the facade."""
-        from .store import DirStore  # imported here: start-up speed (the store pulls in the runner and the watcher)
+        from .dirspool.backend import DirStore  # imported here: start-up speed (the store pulls in the runner and the watcher)
         from .worker import Worker  # (as the store)
 
         self._open(create=True)

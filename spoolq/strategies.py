@@ -18,10 +18,10 @@ import time
 from typing import Any
 
 from . import procs
-from .protocol import Entry
+from .dirspool.protocol import Entry
 from .record import Outcome
 from .runner import close_all, make_outputs
-from .store import Claimed
+from .dirspool.backend import Claimed
 
 COMPLETE_PER_JOB = 2  # synced jobs moved on beside each job's run (see Serial.beside_spawn)
 SPIN_RECOUNT_SECONDS = 1.0  # how often the live workers on the spool are counted again for polling

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator
 from . import record
 from .errors import InvalidJob, NotPossible, NotRegular
 from .owners import user_name
-from .protocol import DROP, REPLY_SUFFIX, STATES, file_name, id_of, id_problem, listed_names
+from .dirspool.protocol import DROP, REPLY_SUFFIX, STATES, file_name, id_of, id_problem, listed_names
 
 
 PREFIX_SHOWN = 10  # candidates named when an id prefix is ambiguous
@@ -40,7 +40,7 @@ class Views:
         if job is None or (state == "dead" and job.get("error") is None):
             # Imported here: start-up speed (the transitions bring in the
             # runner, which `spoolq show` of a good record does not need).
-            from .transitions import dead_reason
+            from .dirspool.transitions import dead_reason
 
             reason = self.dir.noted_reason(name) if state == "dead" else None
             if reason is None:  # none kept (or not for this file): worked out from the file as it is
@@ -94,7 +94,7 @@ class Views:
             return None
         cached = getattr(self, "_handled_cache", False)
         if cached is False:
-            from .registry import handled_kinds  # imported here: start-up speed (as in get())
+            from .dirspool.registry import handled_kinds  # imported here: start-up speed (as in get())
 
             said = handled_kinds(self.dir)
             cached = self._handled_cache = said[0] if said is not None else None
@@ -146,7 +146,7 @@ class Views:
             except FileNotFoundError:
                 continue
             if state == "cur" and not self.dir.member:
-                from .registry import live_workers  # imported here: start-up speed (only a job in cur/ needs it)
+                from .dirspool.registry import live_workers  # imported here: start-up speed (only a job in cur/ needs it)
 
                 for w in live_workers(self.dir):
                     if job_id in (w.get("jobs") or {}):
@@ -186,7 +186,7 @@ class Views:
                         listed[state] = [i for i in listed[state] if i not in folded]
         counts.update(dead=len(listed["dead"]), done=len(listed["done"]) + compacted, done_files=len(listed["done"]),
                       compacted=compacted, dead_purged=purged)
-        from .registry import live_workers  # imported here: start-up speed (as in get())
+        from .dirspool.registry import live_workers  # imported here: start-up speed (as in get())
 
         if self.dir.shared and not self.dir.member:
             counts["dropped"] = sum(1 for name in self.dir.drops.names()
@@ -206,7 +206,7 @@ class Views:
         """Due handler jobs that wait for a worker with a handler for their
         kind, by kind, as the last worker to finish a pass counted them
         (kinds a live worker runs left out: it will take them)."""
-        from .registry import read_unhandled  # imported here: start-up speed (as in get())
+        from .dirspool.registry import read_unhandled  # imported here: start-up speed (as in get())
 
         note = read_unhandled(self.dir) if waiting else None
         if note is None:
@@ -255,7 +255,7 @@ class Views:
     def _folded_later(self, job_id: str) -> dict[str, Any] | None:
         """A job's compacted record, read past the snapshot a listing holds:
         for a file compaction removed after the snapshot was taken."""
-        from .index import Index  # imported here: start-up speed (as in index())
+        from .dirspool.index import Index  # imported here: start-up speed (as in index())
 
         later = Index(self.index().path, durable=False, shared=self.dir.shared)
         try:

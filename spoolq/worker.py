@@ -11,7 +11,7 @@ The worker is in parts: this module's dispatcher (passes, claims, waits,
 signals, compaction); strategies.py's Serial (-j 1, with its pipelining)
 and Slots (-j N); outcomes.py's Recorder (a run's outcome into the store);
 commit.py's GroupCommit (outcomes made durable, then logged); and the
-storage itself only through store.py's Store interface. ``Tuning`` holds
+storage itself only through dirspool/backend.py's Store interface. ``Tuning`` holds
 the timings of the pipelining and the group commit, passed in.
 
 A drain ends when a pass claims nothing and no job finished since it began
@@ -43,11 +43,11 @@ from .errors import ForcedStop, ForkServerGone
 from .forkserver import ForkServer
 from .outcomes import Recorder
 from .output import Log, as_log, field, log_what_waits, quoted  # noqa: F401 - Log, log_what_waits: importable from here too
-from .protocol import Entry, id_of, id_problem
-from .registry import Registration
+from .dirspool.protocol import Entry, id_of, id_problem
+from .dirspool.registry import Registration
 from .record import Outcome
 from .runner import STOPPED_NOW, Limits, RunHandle, RunPlan, call_handler, fork_handler, inheritable_fds, run_process
-from .store import WRITER_GRACE, Claimed, Store
+from .dirspool.backend import WRITER_GRACE, Claimed, Store
 from .strategies import Serial, Slots
 from .waker import Waker
 

@@ -377,7 +377,7 @@ def test_an_empty_spool_path_is_an_error(tmp_path, monkeypatch):
 
 
 def test_cancel_and_retry_with_check_raise_exceptions_the_package_exports(q):
-    """Audit: with check=True they raised classes only spoolq.transitions had."""
+    """Audit: with check=True they raised classes only spoolq.dirspool.transitions had."""
     with pytest.raises(spoolq.JobNotFound):
         q.cancel("no-such-job", check=True)
     job_id = q.enqueue(command="true")

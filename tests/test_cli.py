@@ -459,7 +459,7 @@ def test_plain_show_skips_click_and_prints_what_click_prints(fast_spool, tmp_pat
     # The quick path really does not import click; other forms still go through it.
     importtime = subprocess.run([sys.executable, "-X", "importtime", "-m", "spoolq", "-s", spool, "show", done],
                                 capture_output=True, text=True, timeout=60)
-    assert importtime.returncode == 0 and "spoolq.index" in importtime.stderr
+    assert importtime.returncode == 0 and "spoolq.dirspool.index" in importtime.stderr
     assert " click" not in importtime.stderr
     usage = subprocess.run(SPOOLQ + ["-s", spool, "show", "--nope", done], capture_output=True, text=True, timeout=60)
     assert usage.returncode == 2 and "No such option" in usage.stderr

@@ -168,7 +168,7 @@ def test_the_api_raises_not_a_spool_when_reading_and_creates_when_writing(tmp_pa
     import pytest
 
     from spoolq import Spool
-    from spoolq.protocol import NotASpool, SpoolError
+    from spoolq.dirspool.protocol import NotASpool, SpoolError
 
     for path in (tmp_path / "missing", tmp_path):
         q = Spool(path)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from spoolq import Spool
 from spoolq.commit import GroupCommit
 from spoolq.record import Outcome
-from spoolq.store import DirStore
+from spoolq.dirspool.backend import DirStore
 
 
 @dataclass
@@ -196,7 +196,7 @@ def test_on_a_real_spool_a_told_outcome_is_in_done(tmp_path):
 
 def test_the_directory_store_has_every_operation_of_the_store_interface():
     """The worker depends on store.Store only; DirStore is the spool directory's implementation of it."""
-    from spoolq.store import Store
+    from spoolq.dirspool.backend import Store
 
     wanted = {name for name in vars(Store) if not name.startswith("_")} | set(Store.__annotations__)
     missing = {name for name in wanted if not hasattr(DirStore, name) and name not in ("settings", "root")}

@@ -20,12 +20,12 @@ PACKAGE = ROOT / "spoolq"
 LAYERS = [
     ["errors", "ids", "linux", "words"],  # leaves: import nothing from spoolq
     ["owners", "procs", "record"],
-    ["config", "protocol"],
+    ["config", "dirspool.protocol"],
     ["output", "waker"],
-    ["backend", "registry", "runner", "watcher"],  # backend: the storage port every spool implements
-    ["forkserver", "index", "transitions"],
-    ["compact", "pickup", "recovery"],
-    ["store"],  # the narrow storage interface the worker uses, and the directory's
+    ["backend", "dirspool.registry", "runner", "dirspool.watcher"],  # backend: the storage port every spool implements
+    ["forkserver", "dirspool.index", "dirspool.transitions"],
+    ["dirspool.compact", "dirspool.pickup", "dirspool.recovery"],
+    ["dirspool.backend"],  # the narrow storage interface the worker uses, and the directory's
     ["commit", "outcomes", "strategies"],  # group commit; recording outcomes; -j 1 and -j N
     ["worker"],
     ["pool"],
@@ -34,38 +34,64 @@ LAYERS = [
     ["bench", "metrics", "testing"],
     ["cli"],
     ["entry"],
-    ["__init__", "__main__"],
+    ["__init__", "__main__", "dirspool.__init__"],
 ]
 
 
+#: Sub-packages whose modules are nodes of their own ("dirspool.protocol"),
+#: and packages that count as one node whatever is imported of them.
+SUBPACKAGES = ("dirspool",)
+UNITS = ("pgspool",)
+
+
 def modules() -> list[str]:
-    return sorted(p.stem for p in PACKAGE.glob("*.py"))
+    found = [p.stem for p in PACKAGE.glob("*.py")]
+    for sub in SUBPACKAGES:
+        found += [f"{sub}.{p.stem}" for p in (PACKAGE / sub).glob("*.py")]
+    return sorted(found)
+
+
+def _file(module: str) -> Path:
+    return PACKAGE / (module.replace(".", "/") + ".py")
+
+
+def _node(parts: list[str], names: list[str], known: set[str]) -> set[str]:
+    """The graph's nodes for an import of ``names`` from the module path
+    ``parts`` (inside spoolq)."""
+    if parts and parts[0] in UNITS:
+        return {parts[0]}
+    if parts and parts[0] in SUBPACKAGES:
+        if len(parts) > 1:
+            return {f"{parts[0]}.{parts[1]}"}
+        return {f"{parts[0]}.{n}" if f"{parts[0]}.{n}" in known else f"{parts[0]}.__init__" for n in names}
+    if parts:
+        return {parts[0]}
+    return {n if n in known else "__init__" for n in names}
 
 
 def imports(module: str) -> set[str]:
     """The spoolq modules ``module`` imports, anywhere in its code."""
-    tree = ast.parse((PACKAGE / f"{module}.py").read_text())
-    found = set()
+    tree = ast.parse(_file(module).read_text())
+    found: set[str] = set()
     known = set(modules())
+    package = module.split(".")[:-1]  # where a relative import starts
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 parts = alias.name.split(".")
                 if parts[0] == "spoolq":
-                    found.add(parts[1] if len(parts) > 1 else "__init__")
+                    found |= _node(parts[1:2], ["__init__"], known) if len(parts) > 1 else {"__init__"}
         elif isinstance(node, ast.ImportFrom):
-            if node.level == 0 and not (node.module or "").startswith("spoolq"):
+            if node.level == 0 and (node.module or "").split(".")[0] != "spoolq":
                 continue
-            if node.level > 1:
+            if node.level > len(package) + 1:
                 raise AssertionError(f"{module}: an import from above the package")
-            path = (node.module or "").split(".")
+            path = [p for p in (node.module or "").split(".") if p]
             if node.level == 0:
                 path = path[1:]  # drop "spoolq"
-            if path and path[0]:
-                found.add(path[0])
-            else:  # from . import x, y: the modules x, y (or names of __init__)
-                for alias in node.names:
-                    found.add(alias.name if alias.name in known else "__init__")
+            else:
+                path = package[:len(package) - (node.level - 1)] + path
+            found |= _node(path, [a.name for a in node.names], known)
     found.discard(module)
     return found
 
@@ -94,7 +120,7 @@ def test_the_leaves_import_nothing_from_spoolq():
 
 def test_every_module_says_what_it_owns():
     for module in modules():
-        doc = ast.get_docstring(ast.parse((PACKAGE / f"{module}.py").read_text()))
+        doc = ast.get_docstring(ast.parse(_file(module).read_text()))
         assert doc and doc.strip().splitlines()[0].strip(), f"{module}.py has no docstring saying what it owns"
 
 

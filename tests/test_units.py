@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from spoolq import config, record
 from spoolq.config import ConfigError
-from spoolq.protocol import id_problem
+from spoolq.dirspool.protocol import id_problem
 from spoolq.record import MAX_EPOCH, MAX_TIMEOUT, Incomplete, InvalidJob
 from spoolq.runner import _tail_text as tail_text
 from spoolq.record import fitted

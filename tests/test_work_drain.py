@@ -42,7 +42,7 @@ def test_a_bounded_scan_hands_out_every_due_file_in_order_over_several_passes(fa
     scanning again yields the rest, in order, then the files not yet due."""
     import random
 
-    from spoolq.protocol import SpoolDir
+    from spoolq.dirspool.protocol import SpoolDir
 
     s = fast_spool
     rng = random.Random(7)
@@ -84,7 +84,7 @@ def test_a_bounded_scan_breaks_ties_at_the_cut_by_folder(fast_spool):
     also when the pair sits exactly where a pass is cut off."""
     import pytest
 
-    from spoolq.protocol import SpoolDir
+    from spoolq.dirspool.protocol import SpoolDir
 
     s = fast_spool
     due = time.time_ns() - 10**9

@@ -22,7 +22,7 @@ import time
 
 from spoolq import Spool, record
 from spoolq.bench import sqlite_create, sqlite_drain
-from spoolq.protocol import rename_noreplace
+from spoolq.dirspool.protocol import rename_noreplace
 
 
 def fill(path: str, n: int) -> Spool:

@@ -23,8 +23,8 @@ import sys
 import time
 
 from spoolq import Spool, record
-from spoolq.pickup import Pickup
-from spoolq.protocol import file_name, new_id
+from spoolq.dirspool.pickup import Pickup
+from spoolq.dirspool.protocol import file_name, new_id
 
 
 def make(path: str, fsync: bool) -> Spool:

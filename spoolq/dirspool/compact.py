@@ -18,8 +18,8 @@ import os
 import time
 from typing import Any, Callable
 
-from . import config, procs, record
-from .errors import Exists, InvalidJob, JobNotFound, NotPossible
+from .. import config, procs, record
+from ..errors import Exists, InvalidJob, JobNotFound, NotPossible
 from .index import Index
 from .protocol import Busy, Gone, Held, NotRegular, SpoolDir, file_name, id_of, user_name
 from .transitions import Context, check, locate

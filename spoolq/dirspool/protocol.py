@@ -26,10 +26,10 @@ import time
 import zlib
 from typing import Callable, Iterator, NamedTuple
 
-from . import linux, procs
-from .owners import check_owner_file, swappable, user_name, writable_by_others  # noqa: F401 - importable from here too
-from .errors import Busy, Exists, Gone, InsideSpool, NoSuchGroup, NotASpool, NotRegular, SpoolError  # noqa: F401 - importable from here too
-from .ids import (  # noqa: F401 - importable from here too
+from .. import linux, procs
+from ..owners import check_owner_file, swappable, user_name, writable_by_others  # noqa: F401 - importable from here too
+from ..errors import Busy, Exists, Gone, InsideSpool, NoSuchGroup, NotASpool, NotRegular, SpoolError  # noqa: F401 - importable from here too
+from ..ids import (  # noqa: F401 - importable from here too
     REASON_PREFIX,
     STAGED_PREFIX,
     duplicate_name,

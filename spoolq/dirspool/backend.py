@@ -19,9 +19,9 @@ from typing import Any, Callable, Protocol
 from . import recovery, transitions
 from .pickup import Pickup, PickupReport
 from .protocol import Entry, Scan
-from .record import Outcome
+from ..record import Outcome
 from .registry import Registration, read_passed, write_passed, write_unhandled
-from .waker import Waker
+from ..waker import Waker
 from .watcher import make_waker
 
 Claimed = transitions.Claimed

@@ -21,8 +21,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from . import config, record
-from .errors import Busy, Exists, Gone, Incomplete, InvalidJob, JobNotFound, NotPossible, NotRegular, NotYours  # noqa: F401 - JobNotFound, NotPossible: importable from here too
+from .. import config, record
+from ..errors import Busy, Exists, Gone, Incomplete, InvalidJob, JobNotFound, NotPossible, NotRegular, NotYours  # noqa: F401 - JobNotFound, NotPossible: importable from here too
 from .protocol import (
     DROP,
     Entry,
@@ -35,8 +35,8 @@ from .protocol import (
     kind_of,
     listed_names,
 )
-from .owners import user_name
-from .record import Outcome, rfc3339
+from ..owners import user_name
+from ..record import Outcome, rfc3339
 
 
 @dataclass

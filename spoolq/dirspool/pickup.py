@@ -27,10 +27,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
-from . import record, transitions
-from .errors import Incomplete, InvalidJob, JobNotFound, NotPossible, NotRegular
-from .output import ERROR, WARNING, field, quoted
-from .owners import user_name
+from .. import record
+from . import transitions
+from ..errors import Incomplete, InvalidJob, JobNotFound, NotPossible, NotRegular
+from ..output import ERROR, WARNING, field, quoted
+from ..owners import user_name
 from .protocol import DROP, REPLY_SUFFIX, REQUEST_SUFFIX, duplicate_name, file_name
 from .transitions import Context
 

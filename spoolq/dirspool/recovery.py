@@ -13,9 +13,10 @@ import os
 import time
 from dataclasses import dataclass
 
-from . import procs, record, registry
+from .. import procs, record
+from . import registry
 from .protocol import Busy, Gone, Held, NotRegular, file_name, id_of, staged_intact
-from .record import InvalidJob, Outcome
+from ..record import InvalidJob, Outcome
 from .transitions import Claimed, Context, backoff, check, finish, quarantine, write_and_move
 
 

@@ -26,10 +26,10 @@ import os
 import threading
 from typing import Any
 
-from . import procs
+from .. import procs
 from .protocol import SpoolDir
-from .output import Log
-from .waker import Waker
+from ..output import Log
+from ..waker import Waker
 
 WAKING_FOLDERS = ("new", "failed")
 DEGRADED_RESCAN = 2.0  # seconds between rescans when inotify cannot be had

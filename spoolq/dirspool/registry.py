@@ -28,9 +28,9 @@ import threading
 import time
 from typing import Any, Callable
 
-from . import procs
+from .. import procs
 from .protocol import Busy, Gone, Held, NotRegular, SpoolDir
-from .record import rfc3339
+from ..record import rfc3339
 
 _encoder = json.JSONEncoder(separators=(",", ":"))
 

@@ -24,8 +24,8 @@ import sqlite3
 import time
 from typing import Any, Callable, Iterable, Iterator
 
-from . import procs, record
-from .errors import SpoolError
+from .. import procs, record
+from ..errors import SpoolError
 from .protocol import check_owner_file, duplicate_name, file_name, id_of
 
 SCHEMA_VERSION = 2
