@@ -156,7 +156,7 @@ class Bench:
         rename out, close. Measured on the spool's own files, so it reads
         from a folder as large as the drain that follows starts with. The
         files end in a folder of their own, not in done/."""
-        sp = spool.dir
+        sp = spool.backend.dir
         out = os.path.join(spool.path, "bare-done")
         os.makedirs(out, exist_ok=True)
         new_fd, cur_fd = sp.fd("new"), sp.fd("cur")
@@ -320,7 +320,7 @@ class Bench:
                 os.rename(tmp, os.path.join(new_dir, name + ".json"))
                 time.sleep(interval)  # pacing: one job at a time, not a backlog
             deadline = time.monotonic() + 120
-            while spool.dir.count("done") < n:
+            while spool.backend.dir.count("done") < n:
                 if time.monotonic() > deadline:
                     raise RuntimeError("not every job ran")
                 time.sleep(0.05)
@@ -545,7 +545,7 @@ class Scale:
         figs = [self.bench.add(Figure(f"scale_enqueue_{label}", tail, enq, note=f"Spool.enqueue with {size - tail:,} already waiting"))]
         figs.append(self.bench.status_time(spool, label, name=f"scale_status_{label}"))
         t0 = time.perf_counter()
-        spool.dir.scan(time.time_ns(), SCAN_LIMIT)
+        spool.backend.dir.scan(time.time_ns(), SCAN_LIMIT)
         scan = time.perf_counter() - t0
         figs.append(self.bench.add(Figure(f"scale_scan_{label}", size, scan, kind="time",
                                           note=f"one pass over new/ with {size:,} files (scandir + lstat, keep the first "
@@ -573,7 +573,7 @@ class Scale:
         """With ``finished`` jobs in done/: compact them (rate), then put
         100,000 jobs in new/ (not due) and time `status` and `show` of a
         compacted job, both as whole commands."""
-        ids = [n[:-5] for n in spool.dir.names("done")][:1]
+        ids = [n[:-5] for n in spool.backend.dir.names("done")][:1]
         t0 = time.perf_counter()
         result = spool.compact()
         took = time.perf_counter() - t0
@@ -671,7 +671,7 @@ def watch(path: str, scope: str, jobs: int) -> int:
 
     def make_worker(**kw: Any) -> Any:
         spool = Spool(path)
-        return spool._worker(watch=True, log=log, waker=make_waker(spool.dir, None, log, scope=scope), **kw)
+        return spool._worker(watch=True, log=log, waker=make_waker(spool.backend.dir, None, log, scope=scope), **kw)
 
     if jobs == 1:
         worker = make_worker(jobs=1)

@@ -157,22 +157,15 @@ def cli(ctx: click.Context, spool_dir: str) -> None:
 
 
 def _id_completer(*states: str):
-    """Shell completion of job ids: the names in these state folders of the
-    spool given by -s or $SPOOLQ_DIR. Only a directory listing (compacted
-    jobs are not offered), and nothing at all when there is no spool."""
+    """Shell completion of job ids: those in these states of the spool
+    given by -s or $SPOOLQ_DIR, as the backend lists them cheaply (a
+    directory's listing; nothing when there is no spool)."""
     def complete(ctx: click.Context, param: click.Parameter, incomplete: str) -> list[str]:
         root = ctx.find_root().params.get("spool_dir") or os.environ.get("SPOOLQ_DIR") or "spool"
-        found = set()
-        for state in states:
-            try:
-                with os.scandir(os.path.join(root, state)) as entries:
-                    for entry in entries:
-                        name = entry.name[:-5] if entry.name.endswith(".json") else entry.name
-                        if name.startswith(incomplete) and not entry.name.startswith("."):
-                            found.add(name)
-            except OSError:
-                continue
-        return sorted(found)
+        try:
+            return Spool(root).backend.complete_ids(states, incomplete)
+        except Exception:  # (no spool, a database out of reach) nothing to offer
+            return []
 
     return complete
 
@@ -447,7 +440,7 @@ def work(ctx, jobs, max_jobs, max_time, app, watch, poll, quiet, verbose):
     log = output.Log(level=0 if quiet else 2 if verbose else 1)
     result = spool.work(handlers=handlers, jobs=jobs, max_jobs=max_jobs, max_time=max_time,
                         watch=watch or poll is not None, poll=poll, log=log, processes=True)
-    output.log_what_waits(spool.dir, log)
+    output.log_what_waits(spool, log)
     if not result.clean:
         sys.exit(1)
 
@@ -602,7 +595,7 @@ def _retry(ctx, job_ids, all_):
         fail("give job ids or --all", 2)
     spool = _spool(ctx)
     # A name that is no valid id is refused, unless `list` shows a file so named.
-    output.refuse_bad_ids(j for j in job_ids if not (spool.dir.exists() and spool.get(j) is not None))
+    output.refuse_bad_ids(j for j in job_ids if not (spool.exists() and spool.get(j) is not None))
     spool = _existing(ctx)
     problems = 0
     if all_:

@@ -16,9 +16,8 @@ import threading
 import time
 from typing import Any, NoReturn
 
-from .errors import ConfigError, DuplicateId, InvalidJob, NoSuchGroup, NotASpool, NotPossible, SpoolError
+from .errors import ConfigError, DuplicateId, InvalidJob, NoSuchGroup, NotPossible, SpoolError
 from .ids import id_problem
-from .dirspool.protocol import refuse_inside_spool, refuse_non_directory
 from .record import rfc3339
 
 LOGGER = "spoolq"  # the logger whose records the worker's log lines are
@@ -104,7 +103,7 @@ def fail_for(error: BaseException) -> NoReturn:
         os.dup2(devnull, sys.stdout.fileno())
         sys.exit(141)
     if isinstance(error, PermissionError):
-        blocked = _blocked_by(error.filename) if isinstance(error.filename, str) else None
+        blocked = blocked_by(error.filename) if isinstance(error.filename, str) else None
         if blocked:
             fail(f"permission denied: {blocked} (so {error.filename} cannot be reached)", 1)
         fail(f"permission denied: {error.filename or error}", 1)
@@ -123,7 +122,7 @@ def fail_for(error: BaseException) -> NoReturn:
     fail(f"internal error: {type(error).__name__}: {error} (SPOOLQ_DEBUG=1 shows the traceback)", 1)
 
 
-def _blocked_by(path: str) -> str | None:
+def blocked_by(path: str) -> str | None:
     """The folder above ``path`` that this user may not enter, if one is:
     the one whose permissions to change, not ``path`` itself."""
     parent = os.path.dirname(os.path.abspath(path))
@@ -137,21 +136,10 @@ def _blocked_by(path: str) -> str | None:
 
 
 def require_spool(spool) -> None:
-    """Exit 1 with a hint when the path holds no spool, or lies inside one."""
-    try:
-        refuse_inside_spool(spool.path)
-    except SpoolError as e:
-        fail(str(e), 1)
-    if spool.dir.exists():
-        return
-    refuse_non_directory(spool.path)
-    if os.path.isdir(spool.path) and not os.access(spool.path, os.R_OK | os.X_OK):
-        fail(f"permission denied: {spool.path} (a shared spool: is this user in its group?)", 1)
-    if not os.path.isdir(spool.path):
-        blocked = _blocked_by(spool.path)
-        if blocked:
-            fail(f"permission denied: {blocked} (so the spool {spool.path} cannot be reached)", 1)
-    fail(str(NotASpool(spool.path)), 1)  # missing, or a directory without the layout
+    """Exit 1 with the backend's one line when there is no spool there."""
+    problem = spool.backend.missing()
+    if problem is not None:
+        fail(problem, 1)
 
 
 def refuse_bad_ids(job_ids) -> None:
@@ -372,24 +360,19 @@ def field(value: Any) -> str:
     return quoted(text)
 
 
-def log_what_waits(spool_dir: Any, log: Log) -> None:
-    """Log, as ``spoolq work`` ends, how many jobs wait in failed/ and when
-    the first of them is due again, and how many are dead: a worker run from
+def log_what_waits(spool: Any, log: Log) -> None:
+    """Log, as ``spoolq work`` ends, how many jobs wait failed and when the
+    first of them is due again, and how many are dead: a worker run from
     cron exits 0 whatever its jobs did, so this line is what its mail says.
-    Nothing when there are neither. A failed job's due time is its file's
-    modification time, so this is one listing of each folder."""
+    Nothing when there are neither."""
     try:
-        failed, next_due = 0, None
-        for _name, st in spool_dir.entries("failed"):
-            failed += 1
-            if next_due is None or st.st_mtime < next_due:
-                next_due = st.st_mtime
-        dead = spool_dir.count("dead")
+        left = spool.backend.leftovers()
     except Exception:  # (a folder made unreadable meanwhile) a note must not fail a clean exit
         return
+    failed, next_due, dead = left["failed"], left["next_retry"], left["dead"]
     parts = []
     if failed:
-        when = "due now" if next_due <= time.time() else time.strftime("at %Y-%m-%dT%H:%M:%SZ", time.gmtime(next_due))
+        when = "due now" if next_due is None or next_due <= time.time() else time.strftime("at %Y-%m-%dT%H:%M:%SZ", time.gmtime(next_due))
         parts.append(f"{failed} job{'s wait' if failed != 1 else ' waits'} in failed/ (next retry {when})")
     if dead:
         parts.append(f"{dead}{'' if failed else ' job' if dead == 1 else ' jobs'} dead (spoolq list --state dead)")

@@ -592,6 +592,11 @@ def target_label(job: dict) -> str:
     return command.split(None, 1)[0].rsplit("/", 1)[-1] if command else ""
 
 
+#: The upper bounds (seconds) of the run-duration histogram every spool
+#: keeps (``status --prometheus``, the history's counters): from quick
+#: handler calls to day-long batch jobs.
+RUN_SECONDS_BUCKETS = (0.1, 0.5, 1, 5, 15, 60, 300, 900, 3600, 14400, 86400)
+
 NO_RESULT = object()  # an Outcome's result (or exit request) when there is none
 
 

@@ -6,13 +6,19 @@ and the API cannot drift apart::
     q = Spool("/var/spool/app")
     job_id = q.enqueue(command="make report")
     q.work(handlers={"send_email": send_email})
+
+The spool itself is a backend behind the storage port (backend.py): a
+directory (spoolq/dirspool/) or, for a ``postgresql://`` location, a
+PostgreSQL database (spoolq/pgspool/). This module alone picks one; what
+it does itself is what every backend shares: a job's validation and
+shape, and running workers.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from . import config, record
 from .errors import (  # noqa: F401 - importable from here too
@@ -21,25 +27,36 @@ from .errors import (  # noqa: F401 - importable from here too
     InvalidJob,
     JobNotFound,
     NotPossible,
-    NotRegular,
     PartlyEnqueued,
     RequestPending,
     SpoolError,
 )
+from .ids import id_problem, new_id
 from .owners import swappable, user_name
-from .dirspool.protocol import DROP, STATES, SpoolDir, file_name, id_of, id_problem, new_id, refuse_non_directory
-from .views import Views
 
-#: Seconds a member's cancel or retry waits for a worker to answer its
-#: request (a watching worker answers within milliseconds).
-REQUEST_WAIT = 10.0
+#: What ``pip`` installs for a PostgreSQL spool.
+POSTGRES_EXTRA = "pip install 'spoolq[postgres]'"
 
 
-class Spool(Views):
-    """A spool directory: enqueue, inspect, cancel, retry and run jobs.
+def open_backend(location: str) -> Any:
+    """The backend for a location: a PostgreSQL spool for a
+    ``postgresql://`` or ``postgres://`` URL, else a spool directory."""
+    if location.startswith(("postgresql://", "postgres://")):
+        from .pgspool import PgBackend, is_url  # imported here: only a PostgreSQL spool needs it
 
-    ``Spool()`` uses ``$SPOOLQ_DIR``, else ``./spool``. Nothing is created
-    until a method that writes needs it.
+        if is_url(location):
+            return PgBackend(location)
+    from .dirspool.backend import DirBackend  # imported here: start-up speed of the other kind
+
+    return DirBackend(location)
+
+
+class Spool:
+    """A spool: enqueue, inspect, cancel, retry and run jobs.
+
+    ``Spool()`` uses ``$SPOOLQ_DIR``, else ``./spool``: a directory path, or
+    a ``postgresql://`` URL. Nothing is created until a method that writes
+    needs it.
     """
 
     def __init__(self, path: str | os.PathLike | None = None):
@@ -47,31 +64,20 @@ class Spool(Views):
             path = os.environ.get("SPOOLQ_DIR") or "spool"
         if os.fspath(path) == "":
             raise ValueError("the spool path is empty")
-        self.path = os.path.abspath(os.fspath(path))
-        self.dir = SpoolDir(self.path, fsync=True)
-        self._settings = config.Settings(self.path)
-        self._settings.on_load(self._settings_loaded)
-        self._index = None
+        self.backend = open_backend(os.fspath(path))
+        self.location: str = self.backend.location  # a URL without its password
+        self.path = self.location
 
     def __repr__(self) -> str:
-        return f"Spool({self.path!r})"
+        return f"Spool({self.location!r})"
 
     # -- settings ----------------------------------------------------------
 
     @property
-    def settings(self) -> config.Settings:
-        """The spool's settings (config.json over the defaults): one holder,
-        shared with the worker, whose reload reaches every reader."""
-        if not self._settings.loaded:
-            try:
-                self._settings.reload()
-            except config.ConfigError:
-                refuse_non_directory(self.path)  # the real trouble, said plainly
-                raise
-        return self._settings
-
-    def _settings_loaded(self, settings: config.Settings) -> None:
-        self.dir.fsync = bool(settings["fsync"])
+    def settings(self) -> Any:
+        """The spool's settings over the defaults: one holder, shared with
+        the worker, whose reload reaches every reader."""
+        return self.backend.settings
 
     def config_get(self, key: str) -> Any:
         key = config.setting_name(key)
@@ -80,62 +86,18 @@ class Spool(Views):
         return self.settings[key]
 
     def config_set(self, key: str, value: Any, on_dropped: Callable[[str], None] | None = None) -> Any:
-        """Validate and store one setting; returns the stored value. A
-        config.json that does not parse, or holds unknown keys or bad
-        values, is repaired on the way: see _change_config."""
-        key = config.setting_name(key)
-        checked = config.check(key, value)
-        self._change_config(lambda stored: stored.__setitem__(key, checked), on_dropped)
-        return checked
+        """Validate and store one setting; returns the stored value. Stored
+        settings that do not parse (an unknown key, a bad value) are
+        repaired on the way, each told to ``on_dropped``."""
+        return self.backend.config_set(key, value, on_dropped)
 
     def config_unset(self, key: str, on_dropped: Callable[[str], None] | None = None) -> tuple[bool, str]:
-        """Remove one setting from config.json (its default applies again),
-        also one spoolq does not know; repairs the file as ``config_set``
-        does. Returns whether the file held it, and the name it went by
-        (``max-attempts`` is ``max_attempts`` unless the file has it so)."""
-        held = self._change_config(lambda stored: stored.pop(key, None), on_dropped, unset=key)
-        if not held and config.setting_name(key) != key:  # `max-attempts`, as a command spells it
-            key = config.setting_name(key)
-            held = self._change_config(lambda stored: stored.pop(key, None), on_dropped, unset=key)
-        if not held and key not in config.DEFAULTS:
-            config.check(key, None)  # raises the unknown-key error: a typo, not a setting to remove
-        return held, key
-
-    def _change_config(self, change: Callable[[dict[str, Any]], Any], on_dropped: Callable[[str], None] | None,
-                       unset: str | None = None) -> bool:
-        """Change config.json by ``change(stored settings)``. What of the
-        file cannot be read (it does not parse, an unknown key, a bad value)
-        is dropped and told to ``on_dropped``, the old file kept beside it
-        as config.json.bad, so that a setting can always be repaired."""
-        try:
-            self._open(create=True)
-        except config.ConfigError:
-            # A bad config.json is what may be being repaired: open the
-            # folders without the settings (the file is then written with
-            # fsync, the default).
-            self.dir.open(create=True)
-        self.dir.require_owner("change its settings")
-        stored, raw, dropped = config.read_stored(self.path)
-        # The key being unset goes anyway, known or not: no need to say so.
-        held = unset is not None and (unset in stored or dropped.pop(unset, None) is not None)
-        before = dict(stored)
-        change(stored)
-        if dropped:
-            # Only its owner reads the old file, whoever could read config.json.
-            self.dir.replace_file(None, "config.json.bad", raw, self.dir.file_mode)
-            if on_dropped:
-                for key, why in dropped.items():
-                    on_dropped(f"config.json: dropped {'the whole file: ' + why if key is None else why}")
-                on_dropped(f"config.json: the old file is kept as {os.path.join(self.path, 'config.json.bad')}")
-        # A set always writes, even a value the file has: the file, its
-        # owner and its mode are then the ones a set makes.
-        if unset is None or dropped or stored != before or held:
-            self.dir.replace_file(None, "config.json", config.dumps(stored), self.dir.settings_mode)
-        self._settings.loaded = False  # read again when next needed
-        return held
+        """Remove one stored setting (its default applies again); returns
+        whether it was stored, and the name it went by."""
+        return self.backend.config_unset(key, on_dropped)
 
     def setting_name(self, key: str) -> str:
-        """A setting's name as a command may spell it, as config.json does."""
+        """A setting's name as a command may spell it, as it is stored."""
         return config.setting_name(key)
 
     def config_default(self, key: str) -> Any:
@@ -143,43 +105,31 @@ class Spool(Views):
         return config.DEFAULTS.get(key)
 
     def config_list(self) -> dict[str, Any]:
-        return dict(self.settings)
+        return self.backend.config_list()
 
     def default_app(self) -> str | None:
         """The handlers a worker loads when it is given none (the ``app``
-        setting), or None. A root worker takes it only from a config.json
-        root owns: importing a module runs its code, as root. So the user
+        setting), or None. Importing a module runs its code, so the user
         who may not run workers here is refused before anything is
-        imported; root runs them only on a spool root owns, and the
-        config.json of that is root's (config.read_file refuses any other)."""
-        _require_runner(self.dir, "run workers on it", "work")
+        imported (see the backend's require_runner)."""
+        self.backend.require_runner("run workers on it", "work")
         app = self.settings["app"]
         return app or None
 
-    def context(self):
-        """The transition context (settings, trust, index look-ups)."""
-        from .dirspool.transitions import Context  # imported here: start-up speed (transitions pulls in the runner and subprocess)
-
-        return Context(self.dir, self.settings, index_has=self._index_has)
-
-    def _open(self, create: bool = False) -> None:
-        # The folders first: what is wrong with them (a loose mode, another
-        # user's spool) comes before what is wrong with a file in them.
-        self.dir.open(create=create)
-        self.settings  # noqa: B018 - loads config and the fsync setting
+    def exists(self) -> bool:
+        """Whether the spool is there (made by ``init`` or a first write)."""
+        return self.backend.exists()
 
     # -- layout ------------------------------------------------------------
 
     def init(self, group: str | None = None) -> list[str]:
-        """Create the layout (idempotent); ``group`` makes a shared spool
-        (refused, before anything is made, when the spool's owner is not in
-        that group) and converts one of an older layout. Returns what it
-        changed in an existing spool, a line each."""
-        return self.dir.init(group=group)
+        """Make the spool (idempotent); ``group`` makes a shared spool
+        directory. Returns what it changed in an existing spool, a line each."""
+        return self.backend.init(group=group)
 
     # -- enqueue -----------------------------------------------------------
 
-    def _prepare(self, fields: Mapping[str, Any], now: float) -> tuple[str, bytes, int | None]:
+    def _prepare(self, fields: Mapping[str, Any], now: float) -> tuple[str, bytes, float | None]:
         fields = dict(fields)
         job_id = fields.get("id")
         if job_id is None:
@@ -198,7 +148,7 @@ class Spool(Views):
                 what = "is not a directory" if os.path.exists(fields["cwd"]) else "does not exist"
                 raise InvalidJob(f"cwd {fields['cwd']} {what}")
         run_at = fields.get("run_at")
-        mtime_ns = None
+        due = None
         if run_at is not None:
             if hasattr(run_at, "timestamp"):
                 run_at = run_at.timestamp()
@@ -208,7 +158,7 @@ class Spool(Views):
                 raise InvalidJob(f"run_at: {e}") from None
             fields["run_at"] = record.rfc3339(when)
             if when > now:
-                mtime_ns = int(when * 1e9)
+                due = when
         job = record.new_job(fields, job_id, now)
         problem = config.refusal(self.settings, job)
         if problem:
@@ -217,15 +167,12 @@ class Spool(Views):
         limit = int(self.settings["max_job_bytes"])
         if len(data) > limit:
             raise InvalidJob(f"the job is {len(data)} bytes, larger than max_job_bytes ({limit})")
-        return job_id, data, mtime_ns
+        return job_id, data, due
 
     def _check_unique(self, job_id: str) -> None:
-        # A file dropped by hand may have the id as its whole name.
-        where = self.dir.find((file_name(job_id), job_id), STATES + ((DROP,) if self.dir.shared else ()))
-        if where is not None:
-            raise DuplicateId(f"id {job_id} is already in {where[0]}/")
-        if self._index_has(job_id):
-            raise DuplicateId(f"id {job_id} is already in the index (a compacted job)")
+        where = self.backend.has_id(job_id)
+        if where:
+            raise DuplicateId(f"id {job_id} is already in {where if isinstance(where, str) else 'the spool'}")
 
     def enqueue(
         self,
@@ -261,18 +208,11 @@ class Spool(Views):
 
     def enqueue_job(self, fields: Mapping[str, Any]) -> str:
         """Enqueue a whole job object (the form of a job file)."""
-        self._open(create=True)
-        job_id, data, mtime_ns = self._prepare(fields, time.time())
+        self.backend.open(create=True)
+        job_id, data, due = self._prepare(fields, time.time())
         if fields.get("id") is not None:
             self._check_unique(job_id)
-        try:
-            if self.dir.drops_in:  # a member: into drop/, for the owner's side to pick up
-                self.dir.drops.put([(file_name(job_id), data, mtime_ns)])
-            else:
-                self.dir.publish(file_name(job_id), data, mtime_ns)
-        except Exists:
-            raise DuplicateId(f"id {job_id} is already in {DROP if self.dir.drops_in else 'new'}/") from None
-        return job_id
+        return self.backend.enqueue([(job_id, data, due)])[0]
 
     def enqueue_many(self, jobs: list[Mapping[str, Any]]) -> list[str]:
         """Enqueue many jobs with one sync for the lot (group commit).
@@ -281,7 +221,7 @@ class Spool(Views):
         (InvalidJob names its position). Returns the ids in order. Should
         the disk fail part way (or a duplicate id turn up at the last
         step), PartlyEnqueued says which jobs were enqueued."""
-        self._open(create=True)
+        self.backend.open(create=True)
         now = time.time()
         items = []
         seen: set[str] = set()
@@ -289,7 +229,7 @@ class Spool(Views):
             if not isinstance(fields, Mapping):
                 raise InvalidJob(f"job {i + 1}: not a JSON object")
             try:
-                job_id, data, mtime_ns = self._prepare(fields, now)
+                job_id, data, due = self._prepare(fields, now)
                 if fields.get("id") is not None:
                     if job_id in seen:
                         raise DuplicateId(f"id {job_id} appears twice")
@@ -297,208 +237,93 @@ class Spool(Views):
             except (InvalidJob, DuplicateId) as e:
                 raise type(e)(f"job {i + 1}: {e}") from None
             seen.add(job_id)
-            items.append((file_name(job_id), data, mtime_ns))
-        try:
-            names = self.dir.drops.put(items) if self.dir.drops_in else self.dir.publish_many(items)
-        except BaseException as e:
-            published = [id_of(n) for n in getattr(e, "published", ())]
-            folder = DROP if self.dir.drops_in else "new"
-            cause = f"id {id_of(str(e))} is already in {folder}/" if isinstance(e, Exists) else _reason(e)
-            if not published or not isinstance(e, Exception):
-                if isinstance(e, Exists):
-                    raise DuplicateId(cause) from None
-                e.published_ids = published  # type: ignore[attr-defined]  # (a KeyboardInterrupt part way)
-                raise
-            # Some are in new/ already and will run: say which, or a caller
-            # that tries the whole batch again runs them twice.
-            raise PartlyEnqueued(published, len(items), cause) from e
-        return [id_of(n) for n in names]
+            items.append((job_id, data, due))
+        if not items:
+            return []
+        return self.backend.enqueue(items)
 
     # -- looking -----------------------------------------------------------
 
-    def _index_has(self, job_id: str) -> bool:
-        index = self.index(create=False)
-        return index is not None and index.has(job_id)
+    def get(self, job_id: str) -> dict[str, Any] | None:
+        """The job's record with ``state`` set (``new``, ``cur``, ``failed``,
+        ``dead``, ``done``), finished jobs' history included; None if there
+        is no such job."""
+        return self.backend.get(job_id)
 
-    def index(self, create: bool = False):
-        """The SQLite history (None when there is none and ``create`` is off)."""
-        if self._index is None:
-            if not create and _empty_or_missing(os.path.join(self.path, "index.db")):
-                return None
-            from .dirspool.index import Index  # imported here: start-up speed (sqlite3; enqueue never needs it)
+    def resolve(self, given: str, *args: Any, **kwargs: Any) -> str:
+        """The id ``given`` stands for: itself when a job has it, else the
+        one id that begins with it (NotPossible names the candidates when
+        several do)."""
+        return self.backend.resolve(given, *args, **kwargs)
 
-            self._index = Index(os.path.join(self.path, "index.db"), durable=bool(self.settings["fsync"]), shared=self.dir.shared)
-        return self._index
+    def list(self, state: str | None = None, limit: int | None = None, since: float | None = None) -> Iterator[dict[str, Any]]:
+        """Records oldest first, by due or finish time. ``state`` picks one
+        state; done includes the history of finished jobs."""
+        return self.backend.list(state, limit, since)
+
+    def status(self, on_problem: Callable[[str], None] | None = None) -> dict[str, Any]:
+        """Counts per state (``done`` includes the history), jobs whose
+        worker died (``abandoned``) and live workers; what cannot be read is
+        skipped and told to ``on_problem``."""
+        return self.backend.counts(on_problem)
+
+    def stats(self, since: float | None = None) -> dict[str, Any]:
+        """Finished jobs, throughput, wait time (due to start) and run time
+        (p50, p95, max) in total and per kind or program. ``since``: epoch seconds."""
+        return self.backend.stats(since)
+
+    def metrics(self, on_problem: Callable[[str], None] | None = None) -> dict[str, Any]:
+        """What ``status --prometheus`` shows (see metrics.py)."""
+        return self.backend.metrics(on_problem)
 
     # -- history -----------------------------------------------------------
 
     def compact(self, keep: float | None = None) -> dict[str, int]:
-        """Fold done/ into index.db (each file removed once its row is
-        committed), drop history older than ``keep`` seconds, and remove
-        tmp/ files older than 36 hours. ``keep=0`` drops every finished
-        job's row, the ones just folded included (the command asks for
-        ``--yes`` before it does that)."""
-        from .dirspool.compact import compact  # imported here: start-up speed (as the index)
-
-        self._open(create=True)
-        self.dir.require_owner("compact it")
-        return compact(self.dir, self.index(create=True), self.settings, keep)
+        """Fold finished jobs into the history and drop history older than
+        ``keep`` seconds (``keep=0`` drops every finished job's, the command
+        asks for ``--yes`` first)."""
+        return self.backend.compact(keep)
 
     def purge_dead(self, older_than: float) -> dict[str, int]:
-        """Clear dead jobs older than ``older_than`` seconds into index.db."""
-        from .dirspool.compact import purge_dead  # imported here: start-up speed (as the index)
-
-        self._open()
-        self.dir.require_owner("purge it")
-        try:
-            return purge_dead(self.dir, self.index(create=True), self.settings, older_than)
-        finally:
-            self.dir.remove_stale_reasons()
-
-    def stats(self, since: float | None = None) -> dict[str, Any]:
-        """Finished jobs, throughput, wait time (due to start) and run time
-        (p50, p95, max) in total and per kind or program, from index.db plus
-        the records still in done/ and dead/. ``since``: epoch seconds."""
-        from .dirspool.index import Index, stats  # imported here: start-up speed (as in index())
-
-        self._open()
-        extra = []
-        for state in ("done", "dead"):
-            for name, st in self.dir.entries(state):
-                job = self._read_record(state, name, st)
-                if job.get("valid") is False or job.get("readable") is False:
-                    continue  # (a member counts only what it may read: the history, its own files)
-                finished = job.get("finished_at")
-                try:
-                    finished_at = record.parse_time(finished) if finished else st.st_mtime
-                except ValueError:
-                    finished_at = st.st_mtime
-                extra.append((job, state, finished_at))
-        index = self.index() or Index(":memory:", durable=False)
-        return stats(index, extra, since)
+        """Clear dead jobs older than ``older_than`` seconds into the history."""
+        return self.backend.purge_dead(older_than)
 
     # -- changing ----------------------------------------------------------
 
     def cancel(self, job_id: str, check: bool = False, on_note: Callable[[str], None] | None = None) -> bool:
-        """Cancel a waiting job (new/ or failed/ -> done/, outcome cancelled).
-        Returns whether it was cancelled; with ``check``, raises JobNotFound
-        or NotPossible with the reason instead of returning False.
-        ``on_note(message)`` hears of a job cancelled whose record could not
-        be updated after its move (a full disk): it reads as cancelled."""
-        from .dirspool import transitions  # imported here: start-up speed (as in context())
-
-        self._open()
-        try:
-            if self.dir.member:
-                self._ask({"request": "cancel", "id": job_id}, on_note, f"cancel {job_id}")
-            else:
-                transitions.cancel(self.context(), job_id, on_note)
-            return True
-        except (transitions.JobNotFound, transitions.NotPossible):
-            if check:
-                raise
-            return False
+        """Cancel a waiting job (-> done, outcome cancelled). Returns whether
+        it was cancelled; with ``check``, raises JobNotFound or NotPossible
+        with the reason instead of returning False. ``on_note(message)``
+        hears of a job cancelled whose record could not be updated after its
+        move (a full disk): it reads as cancelled."""
+        return self._checked(self.backend.cancel, job_id, check, on_note)
 
     def retry(self, job_id: str, check: bool = False, on_note: Callable[[str], None] | None = None) -> bool:
-        """Move a dead job back to new/ with a fresh round of attempts, also
-        one purged into index.db (``check`` and ``on_note`` as for ``cancel``)."""
-        from .dirspool import transitions  # imported here: start-up speed (as in context())
+        """Move a dead job back to waiting with a fresh round of attempts,
+        also one cleared into the history (``check`` and ``on_note`` as for
+        ``cancel``)."""
+        return self._checked(self.backend.retry, job_id, check, on_note)
 
-        self._open()
+    @staticmethod
+    def _checked(move: Callable[..., Any], job_id: str, check: bool, on_note: Callable[[str], None] | None) -> bool:
         try:
-            if self.dir.member:
-                self._ask({"request": "retry", "id": job_id}, on_note, f"retry {job_id}")
-            else:
-                try:
-                    transitions.retry(self.context(), job_id, on_note)
-                except transitions.JobNotFound:
-                    index = self.index() if not id_problem(job_id) else None
-                    if index is None or not index.has(job_id):
-                        raise
-                    from .dirspool.compact import retry_purged  # imported here: start-up speed (as the index)
-
-                    retry_purged(self.context(), index, job_id, on_note)
+            move(job_id, on_note)
             return True
-        except (transitions.JobNotFound, transitions.NotPossible):
+        except (JobNotFound, NotPossible):
             if check:
                 raise
             return False
 
     def retry_all(self, on_problem: Callable[[str], None] | None = None,
                   on_note: Callable[[str], None] | None = None) -> list[str]:
-        """Move every dead job back to new/; returns their ids. One that
-        cannot go stays in dead/ unchanged; ``on_problem(message)`` says why."""
-        from .dirspool import transitions  # imported here: start-up speed (as in context())
+        """Move every dead job back to waiting; returns their ids. One that
+        cannot go stays dead, unchanged; ``on_problem(message)`` says why."""
+        return self.backend.retry_all(on_problem, on_note)
 
-        self._open()
-        if self.dir.member:
-            answer = self._ask({"request": "retry_all"}, on_note, "retry your dead jobs")
-            for problem in answer.get("problems") or ():
-                if on_problem:
-                    on_problem(str(problem))
-            return [str(job_id) for job_id in answer.get("ids") or ()]
-        return transitions.retry_all(self.context(), on_problem, on_note)
-
-    def _ask(self, request: dict[str, Any], on_note: Callable[[str], None] | None, what: str,
-             wait: float = REQUEST_WAIT) -> dict[str, Any]:
-        """A member's request, carried out by the owner's side: dropped into
-        drop/, then its reply awaited for up to ``wait`` seconds (a watching
-        worker answers within milliseconds). Raises JobNotFound or
-        NotPossible as the owner's own command would, or RequestPending
-        when no worker answered in time (the request stays, and the next
-        worker carries it out)."""
-        import json
-
-        token = self.dir.drops.request(json.dumps(request).encode())
-        deadline = time.monotonic() + wait
-        pause = 0.002
-        while True:
-            data = self.dir.drops.reply(token)
-            if data is not None:
-                break
-            if time.monotonic() >= deadline:
-                raise RequestPending(f"no worker of {user_name(self.dir.owner)} answered within {wait:g}s; the "
-                                     f"request to {what} waits in {self.path}/drop/ and is carried out when one runs")
-            time.sleep(pause)
-            pause = min(pause * 1.5, 0.1)
-        try:
-            answer = json.loads(data)
-        except ValueError:
-            answer = None
-        if not isinstance(answer, dict):
-            raise SpoolError(f"the answer to the request to {what} is not one spoolq writes")
-        for note in answer.get("notes") or ():
-            if on_note:
-                on_note(str(note))
-        error = answer.get("error")
-        if error == "not_found":
-            raise JobNotFound(str(answer.get("message")))
-        if error:
-            raise NotPossible(str(answer.get("message")))
-        return answer
-
-    def sweep(self):
-        """The recovery step alone: return abandoned jobs from cur/ (killing
-        what their runs left) and remove stale tmp/ files."""
-        from .dirspool import recovery  # imported here: start-up speed (as in context())
-
-        _require_runner(self.dir, "sweep it", "sweep")
-        self._open(create=True)
-        _require_runner(self.dir, "sweep it", "sweep")
-        try:
-            report = recovery.recover(self.context())
-        finally:
-            self.dir.drop_spares()
-        report.tmp_removed = self.dir.remove_tmp()
-        self.dir.remove_stale_spares()
-        self.dir.remove_stale_reasons()
-        if self.dir.shared:
-            from .dirspool.pickup import Pickup  # imported here: start-up speed (as recovery)
-
-            picked = Pickup(self.context()).drain()
-            report.picked_up, report.dropped_dead = picked.picked, picked.dead
-            report.tmp_removed += self.dir.drops.remove_stale()
-        return report
+    def sweep(self) -> Any:
+        """The recovery step alone: dead workers' jobs back to failed
+        (killing what their runs left), stale half-written jobs removed."""
+        return self.backend.sweep()
 
     # -- running -----------------------------------------------------------
 
@@ -533,31 +358,30 @@ class Spool(Views):
         """
         from .output import as_log  # imported here: start-up speed (as the worker)
 
-        _require_runner(self.dir, "run workers on it", "work")
-        self._open(create=True)
-        _require_runner(self.dir, "run workers on it", "work")
+        backend = self.backend
+        backend.require_runner("run workers on it", "work")
+        backend.open(create=True)
+        backend.require_runner("run workers on it", "work")
         options = dict(handlers=dict(handlers or {}), max_time=max_time, watch=watch, poll=poll, log=as_log(log), tuning=tuning)
         if processes and max_jobs is not None:
             jobs = max(1, min(jobs, max_jobs))  # no worker process without a job to claim; one still recovers
         if processes and jobs > 1:
             from .pool import run_workers  # imported here: start-up speed (as the worker)
 
-            self.dir.close()  # each worker process opens its own; the parent's would only use up the open-file limit
-            path = self.path
-            ran, clean = run_workers(lambda **kw: Spool(path)._worker(**options, **kw), jobs, max_jobs, options["log"])
+            backend.close()  # each worker process opens its own; the parent's would only use up the open-file limit
+            location = self.location
+            ran, clean = run_workers(lambda **kw: Spool(location)._worker(**options, **kw), jobs, max_jobs, options["log"])
             return WorkResult(ran, clean)
         worker = self._worker(jobs=jobs, max_jobs=max_jobs, signals=signals, **options)
         ran = worker.run()
         return WorkResult(ran, not worker.failed_to_record)
 
     def _worker(self, **options: Any):
-        """A Worker on this spool: the spool directory's backend (with the
-        shared settings and this spool's compaction), nothing more of the facade."""
-        from .dirspool.backend import DirBackend  # imported here: start-up speed (the backend pulls in the runner and the watcher)
-        from .worker import Worker  # (as the backend)
+        """A Worker on this spool's backend, nothing more of the facade."""
+        from .worker import Worker  # imported here: start-up speed (the worker pulls in the runner)
 
-        self._open(create=True)
-        return Worker(DirBackend(self.context(), compact=self.compact), **options)
+        self.backend.open(create=True)
+        return Worker(self.backend, **options)
 
 
 class WorkResult(int):
@@ -623,33 +447,6 @@ def load_app(spec: str) -> dict[str, Callable[[Any], Any]]:
     return dict(obj)
 
 
-def _require_runner(sp: SpoolDir, action: str, command: str) -> None:
-    """Refuse (SpoolError) ``spoolq COMMAND`` (anything that runs jobs,
-    recovers them or signals processes) to a user other than the spool's
-    owner, and to root on a spool root does not own: in another user's
-    spool every file is one that user could have written, so root would
-    run, recover and signal on that user's word. Root's spool is root's
-    alone, as atd's is. Called before the spool is opened (nothing is made
-    in another user's folder: a missing workers/, say) and after."""
-    if sp.owner == -1:
-        try:
-            owner = os.stat(sp.root).st_uid
-        except OSError:
-            return  # none yet: the one made next is this user's
-    else:
-        owner = sp.owner
-        if os.geteuid() not in (owner, 0):
-            raise SpoolError(f"only {user_name(owner)}, who owns {sp.root}, may {action}")
-    if os.geteuid() == 0 and owner != 0:
-        import shlex
-
-        name = user_name(owner)
-        doing = "sweeps only a spool" if command == "sweep" else "runs workers only on a spool"
-        raise SpoolError(f"{sp.root} belongs to {name}: root {doing} root owns; run it as {name} "
-                         f"(runuser -u {shlex.quote(name)} -- spoolq -s {shlex.quote(sp.root)} {command}), "
-                         "or make a spool of root's")
-
-
 def _writable_by_others(path: str) -> str | None:
     """Why a user other than this one (or root) can put files in ``path``,
     or None: through its own mode or owner, or through a folder above it
@@ -674,19 +471,3 @@ def _writable_by_others(path: str) -> str | None:
     return f"inside {way}, which others can write"
 
 
-def _empty_or_missing(path: str) -> bool:
-    """Whether there is no index at ``path`` to read: none, or an empty
-    file (one no index was ever written into: index.db is only linked into
-    place whole, but a file made in place may be empty). Not followed: a
-    symlink is an index the Index refuses, not a missing one."""
-    try:
-        return os.lstat(path).st_size == 0
-    except FileNotFoundError:
-        return True
-
-
-def _reason(error: Exception) -> str:
-    """An error as a short reason: an OSError's words, not its repr."""
-    if isinstance(error, OSError) and error.strerror:
-        return error.strerror
-    return str(error) or type(error).__name__

@@ -23,7 +23,6 @@ import contextlib
 import os
 import shutil
 import tempfile
-import time
 from typing import Any, Callable, Iterator, Mapping
 
 from .errors import JobFailed  # noqa: F401 - importable from here too
@@ -57,10 +56,7 @@ def run_jobs(
     with ``include_scheduled`` delayed jobs are made due and run too.
     With ``raise_errors`` a job that failed raises JobFailed."""
     if include_scheduled:
-        spool._open()
-        now = time.time()
-        for name, _ in spool.dir.entries("new"):
-            os.utime(os.path.join(spool.path, "new", name), (now, now))
+        spool.backend.due_now()
     runs_before = _runs(spool)
     spool.work(handlers=handlers, signals=False)
     finished = [job for job in spool.list() if len(job.get("history") or []) > runs_before.get(job["id"], 0)]

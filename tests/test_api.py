@@ -304,7 +304,7 @@ def test_a_forked_process_writes_under_tmp_names_of_its_own(q):
         code = 1
         try:
             os.close(read_end)
-            os.write(write_end, q.dir.tmp_name("spare").encode())  # a name that is not a job's
+            os.write(write_end, q.backend.dir.tmp_name("spare").encode())  # a name that is not a job's
             os.close(write_end)
             for _ in range(300):
                 q.enqueue(command="true")
@@ -314,7 +314,7 @@ def test_a_forked_process_writes_under_tmp_names_of_its_own(q):
     os.close(write_end)
     with os.fdopen(read_end, "rb") as pipe:
         childs = pipe.read().decode()
-    mine = q.dir.tmp_name("spare")
+    mine = q.backend.dir.tmp_name("spare")
     for _ in range(300):
         q.enqueue(command="true")
     _, status = os.waitpid(pid, 0)

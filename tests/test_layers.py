@@ -20,23 +20,31 @@ PACKAGE = ROOT / "spoolq"
 LAYERS = [
     ["errors", "ids", "linux", "words"],  # leaves: import nothing from spoolq
     ["owners", "procs", "record"],
-    ["config", "dirspool.protocol"],
+    ["config"],
     ["output", "waker"],
-    ["backend", "dirspool.registry", "runner", "dirspool.watcher"],  # backend: the storage port every spool implements
-    ["dirspool.commit", "forkserver", "dirspool.index", "dirspool.transitions"],
-    ["dirspool.compact", "dirspool.pickup", "dirspool.recovery"],
-    ["dirspool.passes"],  # the directory spool's walk over its due jobs
-    ["dirspool.backend"],  # the port over a spool directory
-    ["outcomes", "strategies"],  # recording outcomes; -j 1 and -j N
-    ["worker"],
+    ["backend", "runner"],  # backend: the storage port every spool implements; runner: one run
+    ["forkserver", "outcomes", "strategies"],  # the worker's parts: recording outcomes; -j 1 and -j N
+    ["worker"],  # the loop: through the port only
     ["pool"],
-    ["views"],  # the read side of Spool: records, listings, counts
-    ["spool"],  # the facade: Spool.work is the only way to run workers
+    # The directory spool, behind the port (imported only by the facade and bench):
+    ["dirspool.protocol"],  # paths, locks, syncs, renames
+    ["dirspool.registry", "dirspool.watcher"],
+    ["dirspool.commit", "dirspool.index", "dirspool.transitions"],
+    ["dirspool.compact", "dirspool.metrics", "dirspool.pickup", "dirspool.recovery"],
+    ["dirspool.passes", "dirspool.reads"],  # a worker's walk over the due jobs; the read side
+    ["dirspool.working"],  # the worker's verbs
+    ["dirspool.backend"],  # DirBackend: the port over a spool directory
+    ["pgspool"],  # the PostgreSQL spool, behind the port (see test_pg_layers.py)
+    ["spool"],  # the facade: picks the backend; Spool.work is the only way to run workers
     ["bench", "metrics", "testing"],
     ["cli"],
     ["entry"],
     ["__init__", "__main__", "dirspool.__init__"],
 ]
+
+#: The only modules above the port that may import a backend package:
+#: the facade picks one; bench measures the directory spool on purpose.
+PICK_BACKEND = {"spool", "bench"}
 
 
 #: Sub-packages whose modules are nodes of their own ("dirspool.protocol"),
@@ -46,13 +54,15 @@ UNITS = ("pgspool",)
 
 
 def modules() -> list[str]:
-    found = [p.stem for p in PACKAGE.glob("*.py")]
+    found = [p.stem for p in PACKAGE.glob("*.py")] + [u for u in UNITS if (PACKAGE / u).is_dir()]
     for sub in SUBPACKAGES:
         found += [f"{sub}.{p.stem}" for p in (PACKAGE / sub).glob("*.py")]
     return sorted(found)
 
 
 def _file(module: str) -> Path:
+    if module in UNITS:
+        return PACKAGE / module / "__init__.py"
     return PACKAGE / (module.replace(".", "/") + ".py")
 
 
@@ -71,11 +81,18 @@ def _node(parts: list[str], names: list[str], known: set[str]) -> set[str]:
 
 
 def imports(module: str) -> set[str]:
-    """The spoolq modules ``module`` imports, anywhere in its code."""
-    tree = ast.parse(_file(module).read_text())
+    """The spoolq modules ``module`` imports, anywhere in its code (a
+    package counted as one node: any of its files)."""
+    if module in UNITS:
+        return set().union(*(imports_of(p, [module]) for p in sorted((PACKAGE / module).glob("*.py")))) - {module}
+    return imports_of(_file(module), module.split(".")[:-1]) - {module}
+
+
+def imports_of(path: Path, package: list[str]) -> set[str]:
+    """What one file imports; ``package``: where its relative imports start."""
+    tree = ast.parse(path.read_text())
     found: set[str] = set()
     known = set(modules())
-    package = module.split(".")[:-1]  # where a relative import starts
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
@@ -86,14 +103,13 @@ def imports(module: str) -> set[str]:
             if node.level == 0 and (node.module or "").split(".")[0] != "spoolq":
                 continue
             if node.level > len(package) + 1:
-                raise AssertionError(f"{module}: an import from above the package")
-            path = [p for p in (node.module or "").split(".") if p]
+                raise AssertionError(f"{path}: an import from above the package")
+            parts = [p for p in (node.module or "").split(".") if p]
             if node.level == 0:
-                path = path[1:]  # drop "spoolq"
+                parts = parts[1:]  # drop "spoolq"
             else:
-                path = package[:len(package) - (node.level - 1)] + path
-            found |= _node(path, [a.name for a in node.names], known)
-    found.discard(module)
+                parts = package[:len(package) - (node.level - 1)] + parts
+            found |= _node(parts, [a.name for a in node.names], known)
     return found
 
 
@@ -112,6 +128,15 @@ def test_imports_only_point_down():
     upward = [f"{m} (layer {layers[m]}) imports {i} (layer {layers[i]})"
               for m in modules() for i in sorted(imports(m)) if layers[i] >= layers[m]]
     assert upward == []
+
+
+def test_nothing_above_the_port_imports_a_backend_but_the_facade():
+    """The worker, the read side, the CLI, metrics and testing know only
+    the port: which spool they have is the facade's business."""
+    above = [m for m in modules() if "." not in m and m not in PICK_BACKEND]
+    found = [f"{m} imports {i}" for m in above for i in sorted(imports(m))
+             if i.startswith("dirspool") or i == "pgspool"]
+    assert found == []
 
 
 def test_the_leaves_import_nothing_from_spoolq():

@@ -49,12 +49,12 @@ def test_one_settings_holder_reaches_every_reader(tmp_path):
     Spool(path).init()
     q = Spool(path)
     settings = q.settings
-    ctx = q.context()
-    assert q.dir.fsync is True
+    ctx = q.backend.context()
+    assert q.backend.dir.fsync is True
     Spool(path).config_set("max_job_bytes", 5000)  # another writer: q has not seen it
     Spool(path).config_set("fsync", False)
     assert ctx.settings["max_job_bytes"] == 1048576
     settings.reload()
     assert q.settings is settings and ctx.settings is settings
     assert ctx.settings["max_job_bytes"] == 5000
-    assert q.dir.fsync is False
+    assert q.backend.dir.fsync is False

@@ -32,7 +32,7 @@ def make(path: str, fsync: bool) -> Spool:
     spool.init(group=grp.getgrgid(os.getegid()).gr_name)
     spool.config_set("fsync", fsync)
     spool.config_set("compact_after", 0)
-    spool.dir.open()
+    spool.backend.dir.open()
     return spool
 
 
@@ -56,11 +56,11 @@ def one_round(scratch: str, n: int, fsync: bool, tag: str) -> list[tuple[float, 
     items = jobs(n)
     dropped = make(os.path.join(scratch, f"drop-{tag}"), fsync)
     for start in range(0, n, 10000):
-        dropped.dir.drops.put(items[start:start + 10000])
-    pickup = timed(lambda: Pickup(dropped.context()).drain())
+        dropped.backend.dir.drops.put(items[start:start + 10000])
+    pickup = timed(lambda: Pickup(dropped.backend.context()).drain())
     assert len(os.listdir(os.path.join(dropped.path, "new"))) == n
     direct = make(os.path.join(scratch, f"direct-{tag}"), fsync)
-    enqueue = timed(lambda: [direct.dir.publish_many(items[start:start + 10000]) for start in range(0, n, 10000)])
+    enqueue = timed(lambda: [direct.backend.dir.publish_many(items[start:start + 10000]) for start in range(0, n, 10000)])
     drain = timed(lambda: dropped.work(handlers={"noop": lambda payload: None}, signals=False, log=_Quiet()))
     assert len(os.listdir(os.path.join(dropped.path, "done"))) == n
     return [(wall / n * 1e6, cpu / n * 1e6) for wall, cpu in (pickup, enqueue, drain)]

@@ -26,13 +26,10 @@ from typing import Any, Callable, Iterable, Iterator
 
 from .. import procs, record
 from ..errors import SpoolError
+from ..record import RUN_SECONDS_BUCKETS  # noqa: F401 - importable from here too
 from .protocol import check_owner_file, duplicate_name, file_name, id_of
 
 SCHEMA_VERSION = 2
-
-# Upper bounds (seconds) of the run-duration histogram's buckets: from quick
-# handler calls to day-long batch jobs.
-RUN_SECONDS_BUCKETS = (0.1, 0.5, 1, 5, 15, 60, 300, 900, 3600, 14400, 86400)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (

@@ -11,16 +11,13 @@ import time
 from typing import Any, Iterator
 
 from .. import record
-from ..record import rfc3339
+from ..record import RUN_SECONDS_BUCKETS, rfc3339
 from .schema import LOCK_CLASS
 
 # The state names users see (the directory spool's), by the table's.
 SHOWN = {"new": "new", "running": "cur", "failed": "failed", "dead": "dead", "done": "done"}
 STORED = {shown: stored for stored, shown in SHOWN.items()}
 
-# Upper bounds (seconds) of the run-duration histogram's buckets: the
-# directory spool's (index.RUN_SECONDS_BUCKETS), so both export one metric.
-RUN_SECONDS_BUCKETS = (0.1, 0.5, 1, 5, 15, 60, 300, 900, 3600, 14400, 86400)
 
 PAGE = 500  # rows a listing fetches at a time
 

@@ -1,9 +1,11 @@
-"""The read side of a spool: job records as ``show`` and ``list`` give them,
-looked up by id, listed in order, and counted per state.
+"""The read side of a spool directory: job records as ``show`` and
+``list`` give them, looked up by id, listed in order, and counted per
+state, from the folders and the index of compacted jobs.
 
-``Views`` is the part of ``Spool`` that only reads; ``Spool`` inherits it,
-so these are ``Spool``'s own methods. It relies on what ``Spool`` gives:
-``path``, ``dir``, ``settings``, ``context()``, ``index()`` and ``_open()``.
+``DirReads`` is the part of ``DirBackend`` that only reads (the port's
+``get``, ``list``, ``counts``, ``resolve``). It relies on what the backend
+gives: ``path``, ``dir``, ``settings``, ``context()``, ``index()`` and
+``_open()``.
 """
 
 from __future__ import annotations
@@ -11,16 +13,16 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Iterator
 
-from . import record
-from .errors import InvalidJob, NotPossible, NotRegular
-from .owners import user_name
-from .dirspool.protocol import DROP, REPLY_SUFFIX, STATES, file_name, id_of, id_problem, listed_names
+from .. import record
+from ..errors import InvalidJob, NotPossible, NotRegular
+from ..owners import user_name
+from .protocol import DROP, REPLY_SUFFIX, STATES, file_name, id_of, id_problem, listed_names
 
 
 PREFIX_SHOWN = 10  # candidates named when an id prefix is ambiguous
 
 
-class Views:
+class DirReads:
     """Reading a spool's jobs: one record, a listing, the counts."""
 
     def _read_record(self, state: str, name: str, st: os.stat_result | None = None) -> dict[str, Any]:
@@ -40,7 +42,7 @@ class Views:
         if job is None or (state == "dead" and job.get("error") is None):
             # Imported here: start-up speed (the transitions bring in the
             # runner, which `spoolq show` of a good record does not need).
-            from .dirspool.transitions import dead_reason
+            from .transitions import dead_reason
 
             reason = self.dir.noted_reason(name) if state == "dead" else None
             if reason is None:  # none kept (or not for this file): worked out from the file as it is
@@ -94,7 +96,7 @@ class Views:
             return None
         cached = getattr(self, "_handled_cache", False)
         if cached is False:
-            from .dirspool.registry import handled_kinds  # imported here: start-up speed (as in get())
+            from .registry import handled_kinds  # imported here: start-up speed (as in get())
 
             said = handled_kinds(self.dir)
             cached = self._handled_cache = said[0] if said is not None else None
@@ -146,7 +148,7 @@ class Views:
             except FileNotFoundError:
                 continue
             if state == "cur" and not self.dir.member:
-                from .dirspool.registry import live_workers  # imported here: start-up speed (only a job in cur/ needs it)
+                from .registry import live_workers  # imported here: start-up speed (only a job in cur/ needs it)
 
                 for w in live_workers(self.dir):
                     if job_id in (w.get("jobs") or {}):
@@ -165,7 +167,35 @@ class Views:
             return index.get(job_id)
         return None
 
-    def status(self, on_problem: Callable[[str], None] | None = None) -> dict[str, Any]:
+    def live_workers(self) -> list[dict[str, Any]]:
+        """The live workers' registrations (none for a member: they are the owner's)."""
+        from .registry import live_workers  # imported here: start-up speed (as in get())
+
+        self._open()
+        return [] if self.dir.member else live_workers(self.dir)
+
+    def complete_ids(self, states: tuple[str, ...], prefix: str) -> list[str]:
+        """The ids in these states' folders that begin with ``prefix``, for
+        shell completion: only a listing (compacted jobs are not offered)."""
+        found = set()
+        for state in states:
+            try:
+                with os.scandir(os.path.join(self.path, state)) as entries:
+                    for entry in entries:
+                        name = entry.name[:-5] if entry.name.endswith(".json") else entry.name
+                        if name.startswith(prefix) and not entry.name.startswith("."):
+                            found.add(name)
+            except OSError:
+                continue
+        return sorted(found)
+
+    def metrics(self, on_problem: Callable[[str], None] | None = None) -> dict[str, Any]:
+        """The numbers behind ``status --prometheus`` (see metrics.py)."""
+        from .metrics import collect  # imported here: start-up speed (only the metrics need it)
+
+        return collect(self, on_problem)
+
+    def counts(self, on_problem: Callable[[str], None] | None = None) -> dict[str, Any]:
         """Counts per state (``done`` includes compacted jobs), the jobs in
         cur/ whose worker died (``abandoned``), and live workers; a file in
         workers/ that is no registration is skipped and told to ``on_problem``."""
@@ -186,7 +216,7 @@ class Views:
                         listed[state] = [i for i in listed[state] if i not in folded]
         counts.update(dead=len(listed["dead"]), done=len(listed["done"]) + compacted, done_files=len(listed["done"]),
                       compacted=compacted, dead_purged=purged)
-        from .dirspool.registry import live_workers  # imported here: start-up speed (as in get())
+        from .registry import live_workers  # imported here: start-up speed (as in get())
 
         if self.dir.shared and not self.dir.member:
             counts["dropped"] = sum(1 for name in self.dir.drops.names()
@@ -206,7 +236,7 @@ class Views:
         """Due handler jobs that wait for a worker with a handler for their
         kind, by kind, as the last worker to finish a pass counted them
         (kinds a live worker runs left out: it will take them)."""
-        from .dirspool.registry import read_unhandled  # imported here: start-up speed (as in get())
+        from .registry import read_unhandled  # imported here: start-up speed (as in get())
 
         note = read_unhandled(self.dir) if waiting else None
         if note is None:
@@ -255,7 +285,7 @@ class Views:
     def _folded_later(self, job_id: str) -> dict[str, Any] | None:
         """A job's compacted record, read past the snapshot a listing holds:
         for a file compaction removed after the snapshot was taken."""
-        from .dirspool.index import Index  # imported here: start-up speed (as in index())
+        from .index import Index  # imported here: start-up speed (as in index())
 
         later = Index(self.index().path, durable=False, shared=self.dir.shared)
         try:

@@ -1,0 +1,184 @@
+"""The worker's half of the directory backend (``WorkerSide``, a part of
+``DirBackend``): what the worker loop asks of a spool directory: register,
+recover, claim the next job (the passes, read-ahead and -j 1 look-ahead
+are passes.py's), finish, commit (commit.py's group commit), housekeeping
+(automatic compaction).
+
+The moves are transitions.py's, the files and syncs protocol.py's.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+from .. import procs
+from ..backend import Claim, CommitHooks, Finished, Look, Report
+from ..record import Outcome
+from ..waker import Waker
+from . import recovery, transitions
+from .commit import COMMIT_JOBS, GroupCommit
+from .passes import Pass
+from .registry import Registration
+from .watcher import make_waker
+
+SCAN_LIMIT = 200_000  # due entries kept per pass (see Pass; Tuning.scan_limit)
+COMPACT_CHECK_JOBS = 1000  # count done/ for auto-compaction after this many jobs ...
+COMPACT_CHECK_SECONDS = 60.0  # ... or this long
+
+
+def _quiet(text: str, level: int = 0, severity: int | None = None) -> None:
+    pass
+
+
+class WorkerSide:
+    """The worker verbs of the port over a spool directory. It relies on
+    what ``DirBackend`` gives: ``dir``, ``settings``, ``context()`` and
+    ``compact()``."""
+
+    def _init_worker_side(self) -> None:
+        self.log = _quiet
+        self.ctx: transitions.Context | None = None  # the worker's (made once, at register)
+        self._kinds: list[str] = []
+        self._scan_limit = SCAN_LIMIT
+        self._reg: Registration | None = None
+        self._pass: Pass | None = None
+        self._finished = 0
+        self._next_compact_finished = 0
+        self._next_compact_time = 0.0
+
+    @property
+    def durable(self) -> bool:
+        return self.dir.fsync  # (follows the settings on reload)
+
+    def _end_work(self) -> None:
+        if self._pass is not None:
+            self._pass.end()
+            self._pass = None
+
+    # -- the worker --------------------------------------------------------------
+
+    def register(self, kinds: list[str], tuning: Any = None) -> Registration:
+        """This worker's registration (a file in workers/ under its lock),
+        saying which handler kinds it runs; claims pass over the others."""
+        self.ctx = self.context()
+        self._kinds = list(kinds)
+        self._scan_limit = getattr(tuning, "scan_limit", SCAN_LIMIT)
+        registration = Registration(self.dir, kinds=self._kinds)
+        registration.open()
+        registration.start_flusher()
+        self._reg = registration
+        return registration
+
+    def waker(self, poll: float | None, log: Any) -> Waker:
+        """What wakes a watching worker when jobs arrive: the folder watcher (or polling)."""
+        return make_waker(self.dir, poll=poll, log=log)
+
+    def recover(self) -> Report:
+        """Recover dead workers' jobs and remove stale tmp/ files."""
+        report = recovery.recover(self.ctx or self.context())
+        report.tmp_removed = self.dir.remove_tmp()
+        self.dir.remove_stale_spares()
+        if self.dir.shared:
+            report.tmp_removed += self.dir.drops.remove_stale()
+        return report
+
+    def _walk(self) -> Pass:
+        if self._pass is None:
+            worker_id = self._reg.worker_id if self._reg is not None else "-"
+            self._pass = Pass(self.ctx, self._kinds, worker_id, self._scan_limit, self.log)
+        return self._pass
+
+    def claim_next(self, now: float | None = None) -> Claim | None:
+        """The next due job of the pass, now this worker's; None once the
+        pass is used up (the next call begins a new one)."""
+        claimed = self._walk().claim_next()
+        if claimed is None:
+            return None
+        return Claim(claimed.job, claimed.job_id, claimed.attempt, claimed.due_ns / 1e9, claimed)
+
+    def next_look(self) -> Look:
+        return self._walk().look()
+
+    def look_ahead(self) -> None:
+        self._walk().look_ahead()
+
+    def drop_ahead(self) -> None:
+        if self._pass is not None:
+            self._pass.drop_ahead()
+
+    def release(self, claim: Claim) -> None:
+        claim.held.held.release()
+
+    def unclaim(self, claim: Claim) -> str:
+        return transitions.unclaim(claim.held)
+
+    def where(self, claim: Claim) -> str:
+        return claim.held.held.folder
+
+    def finish(self, claim: Claim, outcome: Outcome, worker_id: str) -> Finished:
+        """Record the outcome. With fsync on the new record is staged beside
+        the job in cur/ (moved on by the group commit) or, with no spare to
+        stage into, the job moves at once with its folders' sync deferred:
+        pending either way until the commit."""
+        defer = self.dir.fsync
+        dest, due = transitions.finish(self.ctx, claim.held, outcome, worker_id, defer_sync=defer, stage=defer)
+        self._finished += 1
+        return Finished(dest, due, pending=defer, claim=claim)
+
+    def committer(self, hooks: CommitHooks, seconds: float) -> GroupCommit:
+        # Each staged job holds two descriptors; a commit comes once a
+        # sixteenth of the open-file limit are synced, or twice that staged,
+        # so at most ~a quarter of the limit is theirs.
+        return GroupCommit(self, max(1, min(COMMIT_JOBS, procs.open_file_limit() // 16)), seconds, hooks)
+
+    def commit(self, finished: list[Finished] | None = None) -> None:
+        self.dir.sync_deferred()
+
+    def housekeeping(self, settle: Callable[[], None]) -> None:
+        """Fold done/ into the index when it holds more than compact_after
+        files. done/ is counted at most every COMPACT_CHECK_JOBS finishes
+        or COMPACT_CHECK_SECONDS, so the check costs nothing per job."""
+        limit = int(self.settings["compact_after"])
+        if limit <= 0:
+            return
+        now = time.monotonic()
+        if self._finished < self._next_compact_finished and now < self._next_compact_time:
+            return
+        self._next_compact_finished = self._finished + max(1, min(COMPACT_CHECK_JOBS, limit // 10))
+        self._next_compact_time = now + COMPACT_CHECK_SECONDS
+        try:
+            if self.dir.count("done") <= limit:
+                return
+            settle()
+            result = self.compact()
+        except Exception as e:  # the index is history: never stop the worker for it
+            self.log(f"compaction failed: {e}", 0, None)
+            return
+        self.log(f"compacted {result['folded']} jobs into index.db in {result['seconds']}s", 1, None)
+
+    def count_workers(self) -> int:
+        return self.dir.count("workers")
+
+    # -- the group commit's syncs and moves (commit.py) ----------------------------
+
+    def is_staged(self, claim: Claim) -> bool:
+        return claim.held.held.staged is not None
+
+    def sync_staged(self, staged: list[Claim]) -> None:
+        self.dir.sync_data([claim.held.held.staged[1] for claim in staged])
+
+    def complete(self, claim: Claim, dest: str, due: float | None) -> None:
+        transitions.complete(claim.held.held, dest, due)
+
+    def drop_staged(self, claim: Claim) -> None:
+        claim.held.held.drop_staged()
+
+    def has_deferred(self) -> bool:
+        return self.dir.has_deferred
+
+    def unsynced_since(self) -> float:
+        return self.dir.unsynced_since
+
+    def sync_deferred(self) -> None:
+        self.dir.sync_deferred()
