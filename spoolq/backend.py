@@ -115,6 +115,10 @@ class WorkerReg(Protocol):
     def end_run(self, job_id: str) -> None: ...
     def flush(self) -> None:
         """Before the worker sleeps: what is noted lazily, noted now."""
+    def on_lost(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback(why)`` if the liveness is lost while the worker
+        lives (its runs' processes killed first); a backend whose liveness
+        cannot be lost so never calls it."""
     def close(self) -> None: ...
 
 

@@ -42,10 +42,10 @@ def open_backend(location: str) -> Any:
     """The backend for a location: a PostgreSQL spool for a
     ``postgresql://`` or ``postgres://`` URL, else a spool directory."""
     if location.startswith(("postgresql://", "postgres://")):
-        from .pgspool import PgBackend, is_url  # imported here: only a PostgreSQL spool needs it
+        from .pgspool import PgPort, is_url  # imported here: only a PostgreSQL spool needs it
 
         if is_url(location):
-            return PgBackend(location)
+            return PgPort(location)
     from .dirspool.backend import DirBackend  # imported here: start-up speed of the other kind
 
     return DirBackend(location)

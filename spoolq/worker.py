@@ -320,6 +320,7 @@ class Worker:
             backend.log = self._backend_line
             backend.open(create=True)
             self.registration = backend.register(sorted(self.handlers), self.tuning)
+            self.registration.on_lost(self._lost)
         except BaseException:
             for sig, old in old_handlers.items():
                 signal.signal(sig, old)
@@ -365,6 +366,13 @@ class Worker:
 
     def _commit_failed(self, e: Exception) -> None:
         self.log.line(f"worker={self.wid} commit failed: {e}", 0)
+
+    def _lost(self, why: str) -> None:
+        """The registration's liveness was lost (a database session cut):
+        its runs' processes are killed already, and their claims are
+        another worker's to recover; the backend registers again."""
+        self.log.line(f"worker={self.wid} lost its registration: {why}; its running jobs were killed "
+                      "and are recovered as a dead worker's", 0, logging.ERROR)
 
     def _backend_line(self, text: str, level: int = 0, severity: int | None = None) -> None:
         """What the backend tells (a job set aside, a pickup, a compaction), as this worker's."""
@@ -546,7 +554,7 @@ class Worker:
         kind = job.get("kind")
         inline = kind is not None and limits.timeout <= 0
         try:
-            reg.job_started(job_id, claimed.attempt)
+            reg.note_run(job_id, claimed.attempt)
         except OSError as e:
             self.log.line(f"worker={self.wid} job={job_id} cannot register the run: {e}", 0)
         with self._lock:
@@ -580,7 +588,7 @@ class Worker:
 
         def spawned(pid: int, window: tuple[int, int]) -> None:
             try:
-                reg.job_spawned(job_id, pid, window)
+                reg.note_run(job_id, claimed.attempt, pid, window)
             finally:
                 strategy.beside_spawn()
 

@@ -143,6 +143,10 @@ class Registration:
     def end_run(self, job_id: str) -> None:
         self.job_ended(job_id)
 
+    def on_lost(self, callback: Callable[[str], None]) -> None:
+        """Nothing to hear: the registration is a file under this process's
+        own lock, which cannot be lost while the process lives."""
+
     def flush(self) -> None:
         """Write pending changes."""
         with self._lock:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from .connect import is_url, without_password
 
-__all__ = ["PgBackend", "is_url", "without_password"]
+__all__ = ["PgBackend", "PgPort", "is_url", "without_password"]
 
 
 def __getattr__(name: str):
@@ -20,4 +20,8 @@ def __getattr__(name: str):
         from .backend import PgBackend
 
         return PgBackend
+    if name == "PgPort":  # the backend with the whole storage port (see port.py)
+        from .port import PgPort
+
+        return PgPort
     raise AttributeError(name)
