@@ -189,7 +189,7 @@ class Spool:
         cwd: str | None = None,
         **extra: Any,
     ) -> str:
-        """Enqueue one job and return its id once it is durably in new/.
+        """Enqueue one job and return its id once it durably waits.
 
         Exactly one of ``command`` (run by /bin/sh -c), ``argv`` (run directly)
         or ``kind`` (a Python handler) is required. ``run_at`` (epoch seconds,

@@ -617,9 +617,9 @@ class Worker:
         return out
 
     def moved(self, completed: bool) -> None:
-        """A job has left cur/ (``completed``: moved on by the group commit,
+        """A job has left this worker's hands (``completed``: moved on by the commit,
         which counts as a finish for the dispatcher: a failed job may be due
-        again at once, and it could not see it while it waited in cur/)."""
+        again at once, and it could not see it before)."""
         self.ran += 1
         if completed:
             with self._lock:
