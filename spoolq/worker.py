@@ -359,7 +359,7 @@ class Worker:
                 self.waker.stop()
             for sig, old in old_handlers.items():
                 signal.signal(sig, old)
-            backend.close()
+            backend.stop_work()
             self.strategy.close()
             self.registration.close()
         return self.ran

@@ -159,7 +159,7 @@ class DirBackend(DirReads, WorkerSide):
         self._open(create=create)
 
     def close(self) -> None:
-        self._end_work()
+        self.stop_work()
         self.dir.close()
 
     def exists(self) -> bool:

@@ -51,10 +51,14 @@ class WorkerSide:
     def durable(self) -> bool:
         return self.dir.fsync  # (follows the settings on reload)
 
-    def _end_work(self) -> None:
+    def stop_work(self) -> None:
+        """The worker is done: let its prepared job go, leave what it passed
+        over to the next worker, remove its spare files. The folders stay
+        open for the spool's other users (a program's own enqueue)."""
         if self._pass is not None:
             self._pass.end()
             self._pass = None
+        self.dir.drop_spares()
 
     # -- the worker --------------------------------------------------------------
 

@@ -142,3 +142,6 @@ class PgPort(PgBackend):
 
     def count_workers(self) -> int:
         return len(self.live_workers())
+
+    def stop_work(self) -> None:
+        pass  # (the registration, closed by the worker, ends the liveness session)
