@@ -1,0 +1,265 @@
+"""The read side of a PostgreSQL spool, in SQL: one job's record as ``show``
+gives it, listings oldest first, the counts per state, the live workers,
+``stats`` and the numbers behind ``status --prometheus``, each in the
+shape the directory spool gives (the state of a running job is ``cur``,
+as everywhere a user sees it).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterator
+
+from .. import record
+from ..record import rfc3339
+from .schema import LOCK_CLASS
+
+# The state names users see (the directory spool's), by the table's.
+SHOWN = {"new": "new", "running": "cur", "failed": "failed", "dead": "dead", "done": "done"}
+STORED = {shown: stored for stored, shown in SHOWN.items()}
+
+# Upper bounds (seconds) of the run-duration histogram's buckets: the
+# directory spool's (index.RUN_SECONDS_BUCKETS), so both export one metric.
+RUN_SECONDS_BUCKETS = (0.1, 0.5, 1, 5, 15, 60, 300, 900, 3600, 14400, 86400)
+
+PAGE = 500  # rows a listing fetches at a time
+
+# Whether the worker of a workers row ``w`` holds its lock: its session lives.
+LIVE = f"""EXISTS (SELECT 1 FROM pg_locks l
+    WHERE l.locktype = 'advisory' AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+      AND l.classid = {LOCK_CLASS}::oid AND l.objid = w.id::oid AND l.objsubid = 2 AND l.granted)"""
+
+ROW = f"""SELECT j.id, j.state, j.record, j.at, j.valid, j.reason, j.purged, w.worker,
+       CASE WHEN j.state = 'running' THEN w.id IS NOT NULL AND {LIVE} END AS live
+FROM spoolq.jobs j LEFT JOIN spoolq.workers w ON w.id = j.worker AND j.state = 'running'"""
+
+
+def shaped(row: tuple) -> dict[str, Any]:
+    """A row as ``show`` prints a job: its record, with ``state`` set from
+    where it is, and what else the row says (the due time of a waiting job,
+    the worker of a running one, the reason a dead one can never run)."""
+    job_id, state, text, at, valid, reason, purged, worker, live = row
+    job: dict[str, Any] | None = None
+    problem = reason
+    if valid:
+        try:
+            parsed = record.loads(text)
+            if isinstance(parsed, dict):
+                job = parsed
+            else:
+                problem = problem or "not a JSON object"
+        except ValueError as e:
+            problem = problem or f"not valid JSON: {e}"
+    if job is None:
+        job = {"id": job_id, "error": problem or "unreadable", "valid": False}
+    elif reason and (state == "dead" and job.get("error") is None or not valid):
+        job["error"] = reason
+    job["id"] = job_id
+    if state == "done" and job.get("valid") is not False:
+        job = record.as_done(job)
+    if state == "running":
+        if live:
+            job["worker"] = worker
+        else:
+            job["abandoned"] = True  # its worker died: the next recovery takes it
+    if purged:
+        job["purged"] = True
+    job["state"] = SHOWN[state]
+    if state in ("new", "failed"):
+        job["due_at"] = rfc3339(at.timestamp())
+    return job
+
+
+def get(conn, job_id: str) -> dict[str, Any] | None:
+    row = conn.execute(ROW + " WHERE j.id = %s", (job_id,)).fetchone()
+    return shaped(row) if row is not None else None
+
+
+def listing(conn, state: str | None = None, limit: int | None = None,
+            since: float | None = None) -> Iterator[dict[str, Any]]:
+    """Records oldest first, by (due or finish time, id); ``state`` is one
+    of the shown names. Read a page at a time: a long listing holds no
+    transaction open."""
+    # The states written out (they are STORED's, never the caller's text):
+    # the planner then sees which partial index covers them.
+    states = ", ".join(f"'{s}'" for s in ([STORED[state]] if state else list(SHOWN)))
+    after: tuple | None = None
+    left = limit
+    while left is None or left > 0:
+        page = PAGE if left is None else min(PAGE, left)
+        params: dict[str, Any] = {"since": since if since is not None else 0.0, "page": page}
+        keyset = ""
+        if after is not None:
+            keyset = "AND (j.at, j.id) > (%(at)s, %(id)s)"
+            params.update(at=after[0], id=after[1])
+        rows = conn.execute(ROW + f""" WHERE j.state IN ({states}) AND NOT j.purged
+              AND j.at >= to_timestamp(%(since)s) {keyset} ORDER BY j.at, j.id LIMIT %(page)s""", params).fetchall()
+        for row in rows:
+            yield shaped(row)
+        if len(rows) < page:
+            return
+        after = (rows[-1][3], rows[-1][0])
+        if left is not None:
+            left -= len(rows)
+
+
+def live_workers(conn) -> list[dict[str, Any]]:
+    """The live workers: who, where, since when, and the jobs they run
+    (with the attempt, start and process group of each run)."""
+    workers = conn.execute(f"""SELECT w.id, w.worker, w.host, w.pid, w.started_at, w.runs, w.db_user
+        FROM spoolq.workers w WHERE {LIVE} ORDER BY w.started_at, w.id""").fetchall()
+    running: dict[int, list] = {}
+    if workers:
+        for job_id, worker, claimed_at, text in conn.execute(
+                "SELECT id, worker, claimed_at, record FROM spoolq.jobs WHERE state = 'running' AND worker = ANY(%s) "
+                "ORDER BY claimed_at, id", ([w[0] for w in workers],)):
+            running.setdefault(worker, []).append((job_id, claimed_at, text))
+    out = []
+    for row_id, worker, host, pid, started_at, runs, db_user in workers:
+        jobs = {}
+        for job_id, claimed_at, text in running.get(row_id, []):
+            entry = dict(runs.get(job_id) or {}) if isinstance(runs, dict) else {}
+            entry.setdefault("attempt", _attempts(text) + 1)
+            entry.setdefault("started_at", rfc3339(claimed_at.timestamp()) if claimed_at else None)
+            jobs[job_id] = entry
+        out.append({"worker": worker, "host": host, "pid": pid, "started_at": rfc3339(started_at.timestamp()),
+                    "jobs": jobs, "db_user": db_user})
+    return out
+
+
+def _attempts(text: str) -> int:
+    try:
+        value = record.loads(text).get("attempts")
+    except (ValueError, AttributeError):
+        return 0
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+
+
+def counts(conn) -> dict[str, Any]:
+    """Jobs per state (the directory spool's keys: ``cur`` the running
+    ones, ``abandoned`` those of them whose worker died, ``dead_purged``
+    the dead jobs purged into the history), and the live workers."""
+    found = {(state, purged): n for state, purged, n in conn.execute(
+        "SELECT state, purged, count(*) FROM spoolq.jobs GROUP BY state, purged")}
+    out: dict[str, Any] = {SHOWN[s]: found.get((s, False), 0) for s in SHOWN}
+    out["dead_purged"] = found.get(("dead", True), 0)
+    out["done_files"] = out["done"]  # every finished job is a row: nothing waits to be compacted
+    out["compacted"] = 0
+    out["abandoned"] = conn.execute(f"""SELECT count(*) FROM spoolq.jobs j LEFT JOIN spoolq.workers w ON w.id = j.worker
+        WHERE j.state = 'running' AND NOT (w.id IS NOT NULL AND {LIVE})""").fetchone()[0]
+    out["workers"] = [{k: w.get(k) for k in ("worker", "host", "pid", "started_at", "jobs")} for w in live_workers(conn)]
+    return out
+
+
+# -- statistics --------------------------------------------------------------
+
+STAT_FIELDS = ("jobs", "succeeded", "failed_runs", "dead", "cancelled", "runs", "first_finish", "last_finish",
+               "wait_p50", "wait_p95", "wait_max", "run_p50", "run_p95", "run_max")
+
+STATS_SQL = """
+WITH j AS (
+    SELECT state, coalesce(target, '') AS grp, record, extract(epoch FROM at)::float8 AS fin,
+           CASE WHEN state = 'done' THEN coalesce(record::json ->> 'outcome', 'succeeded') END AS outcome
+    FROM spoolq.jobs WHERE state IN ('done', 'dead') AND valid AND at >= to_timestamp(%(since)s)
+),
+r AS (
+    SELECT j.grp, greatest(0, x.start - x.due) AS wait, greatest(0, x.finish - x.start) AS duration, x.failed
+    FROM j, spoolq.runs_of(j.record) AS x WHERE x.finish >= %(since)s
+),
+ja AS (
+    SELECT grp, grouping(grp) AS total, count(*) AS jobs,
+           count(*) FILTER (WHERE outcome = 'succeeded') AS succeeded,
+           count(*) FILTER (WHERE state = 'dead') AS dead,
+           count(*) FILTER (WHERE outcome = 'cancelled') AS cancelled,
+           min(fin) AS first_finish, max(fin) AS last_finish
+    FROM j GROUP BY GROUPING SETS ((grp), ())
+),
+ra AS (
+    SELECT grp, grouping(grp) AS total, count(*) AS runs, count(*) FILTER (WHERE failed) AS failed_runs,
+           percentile_disc(0.5) WITHIN GROUP (ORDER BY wait) AS wait_p50,
+           percentile_disc(0.95) WITHIN GROUP (ORDER BY wait) AS wait_p95, max(wait) AS wait_max,
+           percentile_disc(0.5) WITHIN GROUP (ORDER BY duration) AS run_p50,
+           percentile_disc(0.95) WITHIN GROUP (ORDER BY duration) AS run_p95, max(duration) AS run_max
+    FROM r GROUP BY GROUPING SETS ((grp), ())
+)
+SELECT coalesce(ja.grp, ra.grp), coalesce(ja.total, ra.total),
+       coalesce(ja.jobs, 0), coalesce(ja.succeeded, 0), coalesce(ra.failed_runs, 0), coalesce(ja.dead, 0),
+       coalesce(ja.cancelled, 0), coalesce(ra.runs, 0), ja.first_finish, ja.last_finish,
+       ra.wait_p50, ra.wait_p95, ra.wait_max, ra.run_p50, ra.run_p95, ra.run_max
+FROM ja FULL JOIN ra ON ja.total = ra.total AND ja.grp IS NOT DISTINCT FROM ra.grp
+"""
+
+
+def stats(conn, since: float | None) -> dict[str, Any]:
+    """Finished jobs, throughput, wait (due to start) and run time (p50,
+    p95, max, nearest-rank) in total and per kind or program, as
+    ``Spool.stats`` gives them."""
+    params = {"since": since if since is not None else -1.0}
+    groups, total = [], None
+    for row in conn.execute(STATS_SQL, params):
+        entry = dict(zip(STAT_FIELDS, row[2:]))
+        first, last = entry.pop("first_finish"), entry.pop("last_finish")
+        window = (time.time() - since) if since is not None else ((last - first) if first is not None and last is not None else 0)
+        entry["throughput_per_s"] = round(entry["jobs"] / window, 3) if window and window > 0 else None
+        if row[1]:
+            total = entry
+        elif entry["jobs"] or entry["runs"]:
+            entry["group"] = row[0]
+            groups.append(entry)
+    if total is None:
+        total = {**dict.fromkeys(STAT_FIELDS[:6], 0), **dict.fromkeys(STAT_FIELDS[8:]), "throughput_per_s": None}
+    groups.sort(key=lambda g: (-g["jobs"], g["group"]))
+    return {"total": total, "groups": groups}
+
+
+# -- counters (status --prometheus) ---------------------------------------------
+
+def run_counts_sql(source: str, before: str = "", extra: str = "") -> str:
+    """SQL for the counters the runs and jobs of ``source`` (rows with
+    ``state``, ``valid`` and ``record``) add: one row of (name, value)
+    pairs as two arrays, the names index.py's counters use. ``before``: a
+    CTE ``source`` may name; ``extra``: one more column."""
+    buckets = ", ".join(f"count(*) FILTER (WHERE duration <= {b:g}) AS le{i}" for i, b in enumerate(RUN_SECONDS_BUCKETS))
+    names = ", ".join(f"'run_seconds_le_{b:g}'" for b in RUN_SECONDS_BUCKETS)
+    return f"""
+WITH {before + "," if before else ""} s AS (SELECT state, record FROM {source} WHERE valid),
+r AS (SELECT x.failed, CASE WHEN x.finish IS NOT NULL AND x.start IS NOT NULL
+                            THEN greatest(0, x.finish - x.start) END AS duration
+      FROM s, spoolq.runs_of(s.record) AS x),
+jr AS (SELECT count(*) FILTER (WHERE state = 'done' AND coalesce(record::json ->> 'outcome', 'succeeded') = 'succeeded') AS ok,
+              count(*) FILTER (WHERE state = 'done' AND record::json ->> 'outcome' = 'cancelled') AS cancelled,
+              count(*) FILTER (WHERE state = 'dead') AS dead,
+              coalesce(sum(spoolq.dropped_runs(record)), 0) AS dropped FROM s),
+rr AS (SELECT count(*) FILTER (WHERE NOT failed) AS ok, count(*) FILTER (WHERE failed) AS failed,
+              count(duration) AS n, coalesce(sum(round(duration * 1e6)), 0)::bigint AS sum_us, {buckets} FROM r)
+SELECT ARRAY['jobs_succeeded', 'jobs_cancelled', 'jobs_dead', 'runs_succeeded', 'runs_failed',
+             'run_seconds_count', 'run_seconds_sum_us', {names}],
+       ARRAY[jr.ok, jr.cancelled, jr.dead, rr.ok, rr.failed + jr.dropped, rr.n, rr.sum_us, {", ".join(f"rr.le{i}" for i in range(len(RUN_SECONDS_BUCKETS)))}]::bigint[]
+       {", " + extra if extra else ""}
+FROM jr, rr"""
+
+
+def metrics(conn) -> dict[str, Any]:
+    """The numbers behind ``status --prometheus``, as metrics.collect gives
+    them: every run in every record, plus what retention deleted."""
+    with conn.transaction():  # the rows and the counters as of one instant
+        conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        names, values = conn.execute(run_counts_sql("spoolq.jobs")).fetchone()
+        totals = dict(zip(names, values))
+        for name, value in conn.execute("SELECT name, value FROM spoolq.counters"):
+            totals[name] = totals.get(name, 0) + value
+        st = counts(conn)
+        oldest = conn.execute("SELECT extract(epoch FROM now() - min(at))::float8 FROM spoolq.jobs "
+                              "WHERE state IN ('new', 'failed') AND at <= now()").fetchone()[0]
+    runs = {name: totals.get(name, 0) for name in ("runs_succeeded", "runs_failed", "run_seconds_count",
+                                                   "run_seconds_sum_us")}
+    runs.update((f"run_seconds_le_{b:g}", totals.get(f"run_seconds_le_{b:g}", 0)) for b in RUN_SECONDS_BUCKETS)
+    return {
+        "states": {s: st[s] for s in ("new", "cur", "failed", "dead", "done")},
+        "compacted": 0,
+        "oldest_due_age": max(0.0, oldest or 0.0),
+        "workers": st["workers"],
+        "finished": {"succeeded": totals.get("jobs_succeeded", 0), "cancelled": totals.get("jobs_cancelled", 0)},
+        "runs": {"succeeded": runs["runs_succeeded"], "failed": runs["runs_failed"]},
+        "run_seconds": runs,
+    }
