@@ -205,12 +205,19 @@ def default_cwd() -> str:
 
 # A command job's shell reads the command from the environment, which only
 # its own user and root may read, so ps shows no job's command to others.
-SHELL_COMMAND = 'eval "$SPOOLQ_COMMAND"'
+# The space keeps a command starting with "-" from being read as options of
+# eval (bash, as /bin/sh, would).
+SHELL_COMMAND = 'eval " $SPOOLQ_COMMAND"'
 # A job run as another user changes to its folder only as that user: the
 # shell that does it is started after the worker has dropped to the user's
 # groups and ids. A folder the user cannot enter ends the run for good
-# (PERMANENT_EXIT): no later attempt runs as anyone else.
-CANNOT_ENTER = ("spoolq: cannot enter ", " (missing, not a folder, or no permission)")
+# (PERMANENT_EXIT), with the reason a worker gives for a missing folder
+# when it starts a job itself: no later attempt runs as anyone else.
+CANNOT_ENTER = "spoolq: cannot start: its working directory "
+
+
+def _no_folder(cwd: str, why: str) -> str:
+    return f"cannot start: its working directory {cwd} {why}"
 
 
 def as_user(job: dict, user: Any, env: dict[str, str]) -> list[str]:
@@ -225,8 +232,14 @@ def as_user(job: dict, user: Any, env: dict[str, str]) -> list[str]:
     home = user.pw_dir or "/"
     if job.get("cwd"):
         env["SPOOLQ_CWD"] = os.path.join(home, job["cwd"])
-        said = shlex.quote(f"{CANNOT_ENTER[0]}%s as %s{CANNOT_ENTER[1]}\\n")
-        fail = f'{{ printf {said} "$SPOOLQ_CWD" {shlex.quote(user.pw_name)} >&2; exit {PERMANENT_EXIT}; }}'
+        # What the user sees of the folder, tested as the user: root never
+        # looks at it for a member.
+        name = shlex.quote(user.pw_name)
+        why = (f'if [ -d "$SPOOLQ_CWD" ]; then why="cannot be entered as "{name}; '
+               'elif [ -e "$SPOOLQ_CWD" ]; then why="is not a directory"; '
+               f'else why="does not exist or "{name}" cannot reach it"; fi; ')
+        said = shlex.quote(f"{CANNOT_ENTER}%s %s\\n")
+        fail = f'{{ {why}printf {said} "$SPOOLQ_CWD" "$why" >&2; exit {PERMANENT_EXIT}; }}'
     else:
         env["SPOOLQ_CWD"] = home
         fail = "cd /"
@@ -578,6 +591,10 @@ class _Exec:
         except OSError as e:
             where = f": {e.filename}" if e.filename else ""
             out.error = f"cannot start: {e.strerror or e}{where}"
+            if e.filename == cwd and e.errno in (errno.ENOENT, errno.ENOTDIR):
+                # A directory that is not there does not come back by retrying.
+                out.permanent = True
+                out.error = _no_folder(cwd, "does not exist" if e.errno == errno.ENOENT else "is not a directory")
         except ValueError as e:  # e.g. an embedded NUL that slipped through
             out.error = f"cannot start: {e}"
         return None
@@ -611,9 +628,7 @@ class _Exec:
         if self.stderr is None:
             return None
         line = os.pread(self.stderr, 8192, 0).decode("utf-8", "replace").partition("\n")[0]
-        if line.startswith(CANNOT_ENTER[0]) and line.endswith(CANNOT_ENTER[1]):
-            return line.removeprefix("spoolq: ")
-        return None
+        return line.removeprefix("spoolq: ") if line.startswith(CANNOT_ENTER) else None
 
     def close(self) -> None:
         pass  # its payload file is among the run's files

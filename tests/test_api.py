@@ -104,11 +104,10 @@ def test_results_exceptions_permanent_and_unknown_kinds(q):
     p = q.get(perm)
     assert p["state"] == "dead" and p["attempts"] == 1 and p["error"] == "Permanent: bad address"
     u = q.get(unknown)
-    assert u["state"] == "dead" and u["attempts"] == 2 and "no handler for kind" in u["error"]
+    assert u["state"] == "new" and u["attempts"] == 0 and u["waits_for_handler"] is True  # no attempt used
     w = q.get(weird)
     assert w["state"] == "dead" and "not JSON" in w["error"]
-    # A handler deployed later can still take the unknown kind.
-    assert q.retry(unknown)
+    # A handler deployed later takes the unknown kind.
     q.work(handlers={"nobody-handles-this": lambda p: "finally"})
     assert q.get(unknown)["result"] == "finally"
 
@@ -239,7 +238,7 @@ def test_app_loading_errors_are_one_line(tmp_path):
     (tmp_path / "badhandler.py").write_text("HANDLERS = {'x': 5}\n")
     for spec, message in [("nomodule:X", "cannot import nomodule"), ("notmapping:HANDLERS", "must be a mapping"),
                           ("notmapping:MISSING", "has no attribute"), ("badhandler:HANDLERS", "not callable"),
-                          ("nocolon", "MODULE:ATTR")]:
+                          ("nocolon", "cannot import nocolon"), ("nocolon:", "MODULE:ATTR")]:
         proc = s.run("work", "--app", spec, cwd=str(tmp_path), check=False)
         assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, spec
 

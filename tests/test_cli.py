@@ -28,8 +28,9 @@ def test_init_creates_private_layout_and_is_idempotent(tmp_path):
     assert sorted(os.listdir(s.path)) == sorted(["tmp", "workers", *STATES])
 
 
-def test_enqueue_creates_the_spool_on_demand(tmp_path):
+def test_enqueue_writes_a_private_job_file(tmp_path):
     s = SpoolFixture(tmp_path / "fresh")
+    s.run("init")
     job_id = s.enqueue("true")
     assert s.ids("new") == [job_id]
     assert stat.S_IMODE(os.stat(s.path / "new" / f"{job_id}.json").st_mode) == 0o600
@@ -41,6 +42,7 @@ def test_spool_from_environment(tmp_path):
     from conftest import SPOOLQ
 
     env = dict(os.environ, SPOOLQ_DIR=str(tmp_path / "envspool"))
+    subprocess.run(SPOOLQ + ["init"], env=env, capture_output=True, check=True)
     out = subprocess.run(SPOOLQ + ["enqueue", "true"], env=env, capture_output=True, text=True, check=True)
     assert (tmp_path / "envspool" / "new" / f"{out.stdout.strip()}.json").exists()
 
@@ -527,7 +529,7 @@ def test_list_marks_cancelled_jobs_and_status_counts_purged_dead_ones(fast_spool
     s.work()
     lines = {line.split()[1]: line for line in s.run("list", "--state", "done").stdout.splitlines()}
     assert lines["called-off"].endswith("[cancelled]") and "[" not in lines["ran"]
-    s.run("purge", "--dead", "--older-than", "0")
+    s.run("purge", "--dead", "--older-than", "0", "--yes")
     dead_line = next(line for line in s.run("status").stdout.splitlines() if line.startswith("dead"))
     assert dead_line.split() == ["dead", "0", "(and", "1", "purged", "into", "index.db)"]
 

@@ -18,7 +18,7 @@ PACKAGE = ROOT / "spoolq"
 # module level or in a function alike); modules of one layer do not import
 # each other.
 LAYERS = [
-    ["errors", "ids", "linux"],  # leaves: import nothing from spoolq
+    ["errors", "ids", "linux", "words"],  # leaves: import nothing from spoolq
     ["owners", "procs", "record"],
     ["config", "protocol"],
     ["output", "waker"],

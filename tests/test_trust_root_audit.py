@@ -216,15 +216,22 @@ def test_a_job_run_as_a_member_enters_its_folder_only_as_the_member(users):
     spool = users.root_spool()
     denied = _ok(users.spoolq(users.web, "-s", str(spool), "enqueue", "--cwd", str(secret), "cat secret.txt",
                               umask="027")).strip()
-    missing = _ok(users.spoolq(users.web, "-s", str(spool), "enqueue", "--cwd", str(secret / "nope"),
-                               "--argv", "--", "cat", "secret.txt", umask="027")).strip()
+    # One the member could reach when it enqueued (enqueue refuses a cwd
+    # that does not exist), then shut to it.
+    hidden = users.folder("hidden") / "inner"
+    hidden.mkdir()
+    (hidden / "secret.txt").write_text("root's secret\n")
+    shut = _ok(users.spoolq(users.web, "-s", str(spool), "enqueue", "--cwd", str(hidden),
+                            "--argv", "--", "cat", "secret.txt", umask="027")).strip()
+    os.chmod(hidden.parent, 0o700)
     allowed = _ok(users.spoolq(users.web, "-s", str(spool), "enqueue", "--cwd", str(mine), "cat mine.txt; id -u",
                                umask="027")).strip()
     _ok(users.spoolq(None, "-s", str(spool), "work"))
-    for job_id, folder in ((denied, secret), (missing, secret / "nope")):
+    for job_id, folder, why in ((denied, secret, "cannot be entered as sqtweb"),
+                                (shut, hidden, "does not exist or sqtweb cannot reach it")):
         job = _show(users, spool, job_id)
         assert job["state"] == "dead" and job["attempts"] == 1, job
-        assert job["error"] == f"cannot enter {folder} as sqtweb (missing, not a folder, or no permission)", job
+        assert job["error"] == f"cannot start: its working directory {folder} {why}", job
         assert "secret" not in (job.get("stdout") or "")
     job = _show(users, spool, allowed)
     assert job["state"] == "done" and job["stdout"] == f"the member's\n{users.web.uid}\n", job
