@@ -198,6 +198,13 @@ class PgBackend:
         self.open()
         return reads.get(self._conn("auto"), job_id)
 
+    @_db
+    def ids_with_prefix(self, prefix: str, states: tuple[str, ...] | None = None, limit: int = 11) -> list[str]:
+        """Up to ``limit`` ids (of jobs in ``states``, the shown names;
+        None: any) that begin with ``prefix``, in order."""
+        self.open()
+        return reads.ids_with_prefix(self._conn("auto"), prefix, states, limit)
+
     def list(self, state: str | None = None, limit: int | None = None, since: float | None = None) -> Iterator[dict]:
         with _translated(self.location):
             self.open()
@@ -260,11 +267,12 @@ class PgBackend:
     # -- the worker --------------------------------------------------------------
 
     @_db
-    def register(self, worker_id: str | None = None) -> PgWorkerReg:
+    def register(self, worker_id: str | None = None, kinds: Any = None) -> PgWorkerReg:
         """This worker's registration (its liveness session); the claims
-        made from now on are under it."""
+        made from now on are under it, and take handler jobs only of
+        ``kinds`` (None: every kind)."""
         self.open()
-        reg = PgWorkerReg(lambda: self._connect(), worker_id, log=self.log)
+        reg = PgWorkerReg(lambda: self._connect(), worker_id, log=self.log, kinds=kinds)
         reg.open()
         self._reg = reg
         return reg
