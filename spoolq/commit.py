@@ -24,7 +24,7 @@ import time
 from typing import Any, Callable
 
 from .errors import ForcedStop
-from .runner import Outcome
+from .record import Outcome
 from .store import Claimed, Store
 
 COMMIT_JOBS = 64  # at most this many finished jobs share one folder fsync ...

@@ -130,3 +130,8 @@ class JobFailed(AssertionError):
         detail = job.get("stderr") or ""
         super().__init__(f"job {job.get('id')} ({job.get('kind') or job.get('command') or job.get('argv')}) failed: "
                          f"{job.get('error')}\n{detail}".rstrip())
+
+
+class ForkServerGone(OSError):
+    """The worker's fork server has ended (killed from outside): no handler
+    job with a timeout can start in this worker any more."""

@@ -1,7 +1,7 @@
 """The job record: parse, validate, serialise and shape job files (what a
-run adds to a record, and trimming it to fit max_job_bytes), and the time
-and duration formats of the command line. Pure: no file is read or written
-here.
+run adds to a record, and trimming it to fit max_job_bytes), the time and
+duration formats of the command line, and ``Outcome``, what one run
+produced. Pure: no file is read or written here.
 
 A job file is a UTF-8 JSON object. Producers write a few fields (``command``
 or ``argv`` or ``kind``, ``payload``, ``id``, ``max_attempts``, ``timeout``,
@@ -16,6 +16,7 @@ import json
 import math
 import re
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from .errors import Incomplete, InvalidJob  # noqa: F401 - importable from here too
@@ -589,3 +590,32 @@ def target_label(job: dict) -> str:
         return str(job["argv"][0]).rsplit("/", 1)[-1]
     command = str(job.get("command") or "").strip()
     return command.split(None, 1)[0].rsplit("/", 1)[-1] if command else ""
+
+
+NO_RESULT = object()  # an Outcome's result (or exit request) when there is none
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What one run produced."""
+
+    start: float
+    end: float = 0.0
+    exit_code: int | None = None
+    error: str | None = None
+    stdout: str | None = None
+    stderr: str | None = None
+    result: Any = NO_RESULT
+    permanent: bool = False
+    timed_out: bool = False
+    interrupted: bool = False
+    not_started: bool = False  # stopped before it began: no run to count (the job goes back as it was)
+    exit_request: Any = NO_RESULT  # the code of a sys.exit() in a handler (see call_handler)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and (self.exit_code in (None, 0)) and not self.interrupted
+
+    @property
+    def has_result(self) -> bool:
+        return self.result is not NO_RESULT

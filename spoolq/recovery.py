@@ -15,8 +15,7 @@ from dataclasses import dataclass
 
 from . import procs, record, registry
 from .protocol import Busy, Gone, Held, NotRegular, file_name, id_of, staged_intact
-from .record import InvalidJob
-from .runner import Outcome
+from .record import InvalidJob, Outcome
 from .transitions import Claimed, Context, backoff, check, finish, quarantine, write_and_move
 
 

@@ -19,8 +19,8 @@ from typing import Any, Callable, Protocol
 from . import recovery, transitions
 from .pickup import Pickup, PickupReport
 from .protocol import Entry, Scan
+from .record import Outcome
 from .registry import Registration, read_passed, write_passed, write_unhandled
-from .runner import Outcome
 from .waker import Waker
 from .watcher import make_waker
 

@@ -19,7 +19,8 @@ from typing import Any
 
 from . import procs
 from .protocol import Entry
-from .runner import Outcome, close_all, make_outputs
+from .record import Outcome
+from .runner import close_all, make_outputs
 from .store import Claimed
 
 COMPLETE_PER_JOB = 2  # synced jobs moved on beside each job's run (see Serial.beside_spawn)

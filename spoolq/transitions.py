@@ -36,8 +36,7 @@ from .protocol import (
     listed_names,
 )
 from .owners import user_name
-from .record import rfc3339
-from .runner import Outcome
+from .record import Outcome, rfc3339
 
 
 @dataclass

@@ -39,12 +39,14 @@ from typing import Any, Callable
 
 from . import config, linux, procs
 from .commit import COMMIT_JOBS, COMMIT_SECONDS, GroupCommit
-from .errors import ForcedStop
+from .errors import ForcedStop, ForkServerGone
+from .forkserver import ForkServer
 from .outcomes import Recorder
 from .output import Log, as_log, field, log_what_waits, quoted  # noqa: F401 - Log, log_what_waits: importable from here too
 from .protocol import Entry, id_of, id_problem
 from .registry import Registration
-from .runner import STOPPED_NOW, Limits, Outcome, RunHandle, RunPlan, call_handler, fork_handler, inheritable_fds, run_process
+from .record import Outcome
+from .runner import STOPPED_NOW, Limits, RunHandle, RunPlan, call_handler, fork_handler, inheritable_fds, run_process
 from .store import WRITER_GRACE, Claimed, Store
 from .strategies import Serial, Slots
 from .waker import Waker
@@ -323,6 +325,7 @@ class Worker:
         self.tuning = tuning or Tuning()
         self.ran = 0
         self.registration: Registration | None = None
+        self.forks: ForkServer | None = None  # while it runs with handlers: where their processes are forked
         self.failed_to_record = False
         self.stopping = False
         self.active = 0
@@ -447,6 +450,16 @@ class Worker:
 
     def run(self) -> int:
         """Recover, then run jobs; returns how many ran."""
+        # Before any thread of the worker's (the first is the registration's
+        # flusher) and before the worker holds any lock or file of the spool.
+        self.forks = ForkServer(self.handlers) if self.handlers else None
+        try:
+            return self._run()
+        finally:
+            if self.forks is not None:
+                self.forks.close()
+
+    def _run(self) -> int:
         store = self.store
         # The handlers come before the registration: once a worker can be
         # seen (a file in workers/), a stop or a reload must find them.
@@ -814,7 +827,14 @@ class Worker:
         plan = RunPlan(limits, handle, spawned, strategy.on_slow())
         kind = job.get("kind")
         if kind is not None:
-            return fork_handler(self.handlers.get(kind), job, plan)
+            if kind not in self.handlers:
+                return call_handler(None, job, limits, handle)  # (its error, without a process)
+            try:
+                return fork_handler(self.forks, job, plan)
+            except ForkServerGone as e:
+                self.recorder.cannot_record(None, f"{e.strerror}: no handler job with a timeout can start", "")
+                now = time.time()
+                return Outcome(start=now, end=now, error=e.strerror, not_started=True)
         try:
             plan.user = _run_as(job)
         except KeyError:  # the owner's password entry went away since the claim checked it

@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from spoolq import procs  # noqa: E402
 from spoolq.pgspool import PgBackend  # noqa: E402
 from spoolq.pgspool.types import Unavailable  # noqa: E402
-from spoolq.runner import Outcome  # noqa: E402
+from spoolq.record import Outcome  # noqa: E402
 
 
 def say(**fields) -> None:

@@ -199,6 +199,29 @@ def test_a_forked_handler_that_crashes_is_a_failure(q):
     assert job["state"] == "dead" and "handler process died" in job["error"]
 
 
+def test_handlers_with_a_timeout_run_side_by_side_each_in_a_process_of_its_own(q, tmp_path):
+    """Work with three threads runs three handler jobs with a timeout at
+    once, each in its own process, with the handlers it was given (a
+    closure over this test's state): each waits until all three have
+    started, which they could not if they ran one after another."""
+    met = tmp_path / "met"
+    met.mkdir()
+    seen_by_closure = {"word": "closure"}
+
+    def meet(payload):
+        (met / str(os.getpid())).touch()
+        deadline = time.monotonic() + 60
+        while len(os.listdir(met)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return [seen_by_closure["word"], len(os.listdir(met)), os.getpid()]
+
+    ids = [q.enqueue(kind="meet", timeout=120, max_attempts=1) for _ in range(3)]
+    assert q.work(handlers={"meet": meet}, jobs=3) == 3
+    results = [q.get(job_id)["result"] for job_id in ids]
+    assert [r[:2] for r in results] == [["closure", 3]] * 3, results
+    assert len({r[2] for r in results} | {os.getpid()}) == 4
+
+
 def test_a_handler_that_calls_sys_exit_fails_its_job_not_the_worker(tmp_path):
     """Regression (audit): SystemExit from an in-process handler ended the
     worker silently (exit 3), leaving the job in cur/ and the rest unrun."""

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from spoolq import Spool
 from spoolq.commit import GroupCommit
-from spoolq.runner import Outcome
+from spoolq.record import Outcome
 from spoolq.store import DirStore
 
 

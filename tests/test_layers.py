@@ -22,8 +22,8 @@ LAYERS = [
     ["owners", "procs", "record"],
     ["config", "protocol"],
     ["output", "waker"],
-    ["registry", "runner", "watcher"],
-    ["index", "transitions"],
+    ["backend", "registry", "runner", "watcher"],  # backend: the storage port every spool implements
+    ["forkserver", "index", "transitions"],
     ["compact", "pickup", "recovery"],
     ["store"],  # the narrow storage interface the worker uses, and the directory's
     ["commit", "outcomes", "strategies"],  # group commit; recording outcomes; -j 1 and -j N

@@ -1,7 +1,7 @@
 """The PostgreSQL spool's place in the import graph: spoolq/pgspool/ is one
-package behind the storage port. It imports from spoolq only the leaves and
-the data layer (errors, ids, procs, record, config, waker) and its own
-modules, never the directory spool's or anything above them; nothing in
+package behind the storage port. It imports from spoolq only the leaves,
+the data layer (errors, ids, procs, record, config, waker), the storage
+port (backend) and its own modules, never the directory spool's or anything above them; nothing in
 spoolq/ outside it imports it but the facade. Every module of it says what
 it owns."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "spoolq"
 PGSPOOL = PACKAGE / "pgspool"
-ALLOWED = {"errors", "ids", "procs", "record", "config", "waker"}
+ALLOWED = {"backend", "errors", "ids", "procs", "record", "config", "waker"}
 FACADE = {"spool"}  # the one module above the port that picks a backend
 
 

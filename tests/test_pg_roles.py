@@ -12,7 +12,7 @@ import pytest
 
 from spoolq import record
 from spoolq.errors import SpoolError
-from spoolq.runner import Outcome
+from spoolq.record import Outcome
 
 pytest_plugins = ["pgserver"]
 

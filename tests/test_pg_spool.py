@@ -16,7 +16,7 @@ import pytest
 
 from spoolq import record
 from spoolq.errors import ConfigError, DuplicateId, JobNotFound, NotASpool, NotPossible, SpoolError
-from spoolq.runner import Outcome
+from spoolq.record import Outcome
 
 pytest_plugins = ["pgserver"]
 

@@ -24,7 +24,7 @@ import pytest
 
 from conftest import alive, wait_for
 from spoolq import record
-from spoolq.runner import Outcome
+from spoolq.record import Outcome
 
 pytest_plugins = ["pgserver"]
 

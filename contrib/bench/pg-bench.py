@@ -74,7 +74,7 @@ def spoolq_records(backend, n: int) -> list:
 
 
 def spoolq_role(role: str, url: str, arg: int) -> None:
-    from spoolq.runner import Outcome
+    from spoolq.record import Outcome
 
     if role == "schema":
         sys.path.insert(0, ROOT)
