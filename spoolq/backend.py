@@ -175,6 +175,10 @@ class Backend(Protocol):
         """Why the stored settings cannot be used (the defaults are used then), or None."""
     def require_runner(self, action: str, command: str) -> None:
         """Refuse (SpoolError) a user who may not run, recover or signal jobs here."""
+    def require_shared_locks(self, forced: bool) -> str | None:
+        """Refuse (SpoolError) to run workers or recovery where workers on
+        two machines could hold one job at once, unless ``forced``; returns
+        a caution to log once, or None."""
 
     # -- producers ---------------------------------------------------------
     def enqueue(self, jobs: list[tuple[str, Any, float | None]], existing_ok: bool = False) -> list[str]:

@@ -424,8 +424,10 @@ def _read_jsonl(source: str, options: dict[str, Any]):
               help="Watch by rescanning every SECONDS (no inotify; for network filesystems). Implies --watch.")
 @click.option("-q", "--quiet", is_flag=True, help="Log only problems (dead jobs, errors).")
 @click.option("-v", "--verbose", is_flag=True, help="Log each scan of the waiting folders as well.")
+@click.option("--allow-local-locks", is_flag=True,
+              help="Run on a filesystem whose locks other machines do not see (sshfs; NFS with nolock): only when every worker runs on this machine.")
 @click.pass_context
-def work(ctx, jobs, max_jobs, max_time, app, watch, poll, quiet, verbose):
+def work(ctx, jobs, max_jobs, max_time, app, watch, poll, quiet, verbose, allow_local_locks):
     """Recover, then run due jobs until none is due (or forever with --watch)."""
     spool = _spool(ctx)
     output.require_spool(spool)  # a mistyped path must not become an empty spool that is watched forever
@@ -439,7 +441,8 @@ def work(ctx, jobs, max_jobs, max_time, app, watch, poll, quiet, verbose):
     output.log_to_stderr()
     log = output.Log(level=0 if quiet else 2 if verbose else 1)
     result = spool.work(handlers=handlers, jobs=jobs, max_jobs=max_jobs, max_time=max_time,
-                        watch=watch or poll is not None, poll=poll, log=log, processes=True)
+                        watch=watch or poll is not None, poll=poll, log=log, processes=True,
+                        allow_local_locks=allow_local_locks)
     output.log_what_waits(spool, log)
     if not result.clean:
         sys.exit(1)
@@ -655,11 +658,13 @@ def dlq_retry(ctx, job_ids, all_):
 
 
 @cli.command()
+@click.option("--allow-local-locks", is_flag=True,
+              help="Recover on a filesystem whose locks other machines do not see: only when every worker runs on this machine.")
 @click.pass_context
-def sweep(ctx):
+def sweep(ctx, allow_local_locks):
     """Recovery alone: return abandoned jobs from cur/, remove stale tmp/ files."""
     spool = _existing(ctx)
-    r = spool.sweep()
+    r = spool.sweep(allow_local_locks=allow_local_locks)
     echo(
         f"recovered {r.recovered} to failed/, {r.dead} to dead/, completed {r.completed}, "
         f"quarantined {r.quarantined}, killed {r.killed} processes, removed {r.tmp_removed} tmp/ files"

@@ -320,9 +320,11 @@ class Spool:
         cannot go stays dead, unchanged; ``on_problem(message)`` says why."""
         return self.backend.retry_all(on_problem, on_note)
 
-    def sweep(self) -> Any:
+    def sweep(self, allow_local_locks: bool = False) -> Any:
         """The recovery step alone: dead workers' jobs back to failed
-        (killing what their runs left), stale half-written jobs removed."""
+        (killing what their runs left), stale half-written jobs removed.
+        ``allow_local_locks``: as for ``work``."""
+        self.backend.require_shared_locks(allow_local_locks)
         return self.backend.sweep()
 
     # -- running -----------------------------------------------------------
@@ -339,6 +341,7 @@ class Spool:
         signals: bool = True,
         processes: bool = False,
         tuning: Any = None,
+        allow_local_locks: bool = False,
     ) -> int:
         """Run jobs and return how many ran.
 
@@ -352,6 +355,9 @@ class Spool:
         lines (by default the ``spoolq`` logger's records, shown as logging
         is configured). ``tuning``: a worker.Tuning, the timings of its
         pipelining and group commit (the defaults otherwise).
+        ``allow_local_locks``: run even on a filesystem whose locks other
+        machines do not see (sshfs; NFS mounted nolock), which is refused
+        otherwise: only when every worker of the spool runs on this machine.
 
         The number returned is a WorkResult, whose ``clean`` is False when
         an outcome could not be recorded or a worker process failed.
@@ -362,7 +368,10 @@ class Spool:
         backend.require_runner("run workers on it", "work")
         backend.open(create=True)
         backend.require_runner("run workers on it", "work")
+        caution = backend.require_shared_locks(allow_local_locks)
         options = dict(handlers=dict(handlers or {}), max_time=max_time, watch=watch, poll=poll, log=as_log(log), tuning=tuning)
+        if caution:
+            options["log"].line(caution, 0, 30)  # logging.WARNING (logging is imported only when used)
         if processes and max_jobs is not None:
             jobs = max(1, min(jobs, max_jobs))  # no worker process without a job to claim; one still recovers
         if processes and jobs > 1:

@@ -27,7 +27,7 @@ LAYERS = [
     ["worker"],  # the loop: through the port only
     ["pool"],
     # The directory spool, behind the port (imported only by the facade and bench):
-    ["dirspool.protocol"],  # paths, locks, syncs, renames
+    ["dirspool.mounts", "dirspool.protocol"],  # which filesystem the spool is on; paths, locks, syncs, renames
     ["dirspool.registry", "dirspool.watcher"],
     ["dirspool.commit", "dirspool.index", "dirspool.transitions"],
     ["dirspool.compact", "dirspool.metrics", "dirspool.pickup", "dirspool.recovery"],

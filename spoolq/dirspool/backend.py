@@ -29,6 +29,7 @@ from ..errors import (
 )
 from ..output import blocked_by
 from ..owners import user_name
+from . import mounts
 from .protocol import DROP, STATES, SpoolDir, file_name, id_of, id_problem, refuse_inside_spool, refuse_non_directory
 from .reads import DirReads
 from .working import WorkerSide
@@ -142,6 +143,14 @@ class DirBackend(DirReads, WorkerSide):
         """Refuse (SpoolError) a user who may not run, recover or signal
         jobs here (see _require_runner)."""
         _require_runner(self.dir, action, command)
+
+    def require_shared_locks(self, forced: bool) -> str | None:
+        """See mounts.require_shared_locks: a spool on a filesystem whose
+        locks stay on the client is refused unless forced."""
+        try:
+            return mounts.require_shared_locks(self.dir.root, forced)
+        except ValueError as e:
+            raise SpoolError(str(e)) from None
 
     def context(self):
         """The transition context (settings, trust, index look-ups)."""

@@ -63,6 +63,9 @@ class PgPort(PgBackend):
     def require_runner(self, action: str, command: str) -> None:
         pass  # who may claim and change jobs is the database's grants
 
+    def require_shared_locks(self, forced: bool) -> None:
+        pass  # liveness is each worker's database session, seen by every host
+
     def config_set(self, key: str, value: Any, on_dropped: Callable[[str], None] | None = None) -> Any:
         return super().config_set(config.setting_name(key), value)
 
