@@ -120,7 +120,7 @@ class PgPort(PgBackend):
     # -- the worker ----------------------------------------------------------------
 
     def register(self, kinds: list[str] | None = None, tuning: Any = None) -> Any:  # type: ignore[override]
-        return _Registration(super().register())
+        return _Registration(super().register(kinds))
 
     def next_look(self) -> Look:
         due = self.next_due()

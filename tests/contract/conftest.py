@@ -75,18 +75,6 @@ class Contract(SpoolFixture):
                 proc.wait(timeout=60)
 
 
-def _facade_opens(url: str) -> bool:
-    """Whether ``Spool(url)`` opens the PostgreSQL spool at ``url``
-    (rather than taking the URL for a folder's path)."""
-    from spoolq import Spool
-
-    try:
-        Spool(url).status()
-    except Exception:  # noqa: BLE001 - any failure: it does not open it
-        return False
-    return True
-
-
 @pytest.fixture(params=BACKENDS)
 def spool_location(request, tmp_path) -> str:
     """A fresh, empty spool's location (a path, or a postgresql:// URL)."""
@@ -94,10 +82,7 @@ def spool_location(request, tmp_path) -> str:
         location = str(tmp_path / "spool")
         SpoolFixture(location).run("init")  # type: ignore[arg-type]
         return location
-    url = request.getfixturevalue("pg_spool_url")
-    if not _facade_opens(url):
-        pytest.skip("the facade does not open a postgresql:// spool yet")
-    return url
+    return request.getfixturevalue("pg_spool_url")
 
 
 @pytest.fixture
