@@ -522,12 +522,71 @@ def add_run(job: dict, entry: dict, results: dict) -> None:
     job.update(results)
 
 
+#: The error of a run whose worker died under it (its recovery records it).
+INTERRUPTED = "interrupted: the worker running it died"
+
+
+def next_state(job: dict, out: Outcome, attempt: int, max_attempts: int) -> str:
+    """Where a job goes after run ``attempt`` with outcome ``out``: done,
+    failed or dead (``max_attempts``: the spool's, for a job that sets none)."""
+    if out.ok:
+        return "done"
+    if out.permanent:
+        return "dead"
+    return "dead" if attempt >= (job.get("max_attempts") or max_attempts) else "failed"
+
+
+def add_finish(job: dict, out: Outcome, attempt: int, due: float, worker_id: str, max_attempts: int) -> str:
+    """Record run ``attempt`` of ``job`` (due at ``due``, epoch seconds),
+    which ``worker_id`` ran with outcome ``out``: its history entry, the
+    attempts, the last run's fields, the state, the outcome of a success and
+    when it finished (or failed). Returns the state (see ``next_state``);
+    when a failed job is due again is its spool's business."""
+    end = rfc3339(out.end or time.time())
+    error = capped_error(out.error)
+    entry: dict[str, Any] = {"attempt": attempt, "worker": worker_id, "due": rfc3339(due),
+                             "start": rfc3339(out.start), "end": end}
+    results: dict[str, Any] = {}
+    if out.exit_code is not None:
+        entry["exit_code"] = results["exit_code"] = out.exit_code
+    if error is not None:
+        entry["error"] = results["error"] = error
+    if out.stdout:
+        results["stdout"] = out.stdout
+    if out.stderr:
+        results["stderr"] = out.stderr
+    if out.has_result:
+        results["result"] = out.result
+    add_run(job, entry, results)
+    dest = next_state(job, out, attempt, max_attempts)
+    if dest == "done":
+        job["outcome"] = "succeeded"
+    job["state"] = dest
+    job["finished_at" if dest != "failed" else "failed_at"] = end
+    return dest
+
+
+def cancel(job: dict) -> None:
+    """Mark a waiting job's record as cancelled: done, outcome cancelled."""
+    clear_run_fields(job)
+    job["state"] = "done"
+    job["outcome"] = "cancelled"
+    job["finished_at"] = rfc3339()
+
+
 def fresh_round(job: dict) -> None:
     """Mark a dead job's record as waiting again, with its attempts
     counted from zero (its history is kept)."""
     job["state"] = "new"
     job["attempts"] = 0
     job["retried_at"] = rfc3339()
+
+
+def retry(job: dict) -> None:
+    """Mark a dead job's record as retried: its last run's fields cleared,
+    a fresh round of attempts, its history kept."""
+    clear_run_fields(job)
+    fresh_round(job)
 
 
 def fitted(job: dict, limit: int) -> bytes:

@@ -179,8 +179,7 @@ def retry_purged(ctx: Context, index: Index, job_id: str, on_note: Callable[[str
     if not ctx.as_root and isinstance(owner, int) and owner not in (0, os.geteuid()):
         raise NotPossible(f"cannot retry {job_id}: a root worker ran it as {user_name(owner)}, and a retry by "
                           f"{user_name(os.geteuid())} would make it run as {user_name(os.geteuid())}; retry it as root")
-    record.clear_run_fields(job)
-    record.fresh_round(job)
+    record.retry(job)
     try:
         ctx.spool.publish(file_name(job_id), record.dumps(job))
     except Exists:

@@ -202,7 +202,7 @@ def _recover_held(ctx: Context, held: Held, run: tuple | None, staged: tuple[str
         except OSError:
             pass
     job["attempts"] = run_attempt - 1
-    out = Outcome(start=start, end=time.time(), error="interrupted: the worker running it died", interrupted=True)
+    out = Outcome(start=start, end=time.time(), error=record.INTERRUPTED, interrupted=True)
     claimed = Claimed(held, job, job["id"], held.st.st_mtime_ns, "cur")
     dest, _ = finish(ctx, claimed, out, worker_id or "unknown", due_now=True)
     if dest == "dead":

@@ -412,16 +412,6 @@ def _duplicate_of(ctx: Context, job_id: str, entry: Entry) -> str | None:
 # finish
 
 
-def decide(ctx: Context, job: dict, out: Outcome, attempt: int) -> str:
-    """Where a job goes after a run: done, failed or dead."""
-    if out.ok:
-        return "done"
-    if out.permanent:
-        return "dead"
-    max_attempts = job.get("max_attempts") or ctx.settings["max_attempts"]
-    return "dead" if attempt >= max_attempts else "failed"
-
-
 def finish(ctx: Context, claimed: Claimed, out: Outcome, worker_id: str, due_now: bool = False,
            defer_sync: bool = False, stage: bool = False) -> tuple[str, float | None]:
     """Record a run's outcome and move the job on: done/, failed/ (due after
@@ -435,40 +425,12 @@ def finish(ctx: Context, claimed: Claimed, out: Outcome, worker_id: str, due_now
     then calls ``complete``. Should the caller die first, recovery finds the
     staged record and completes the finish."""
     job = claimed.job
-    attempt = claimed.attempt
+    attempt = claimed.attempt  # (counted from the record, which the finish changes)
     now = time.time()
-    end = rfc3339(out.end or now)
-    error = record.capped_error(out.error)
-    entry: dict[str, Any] = {
-        "attempt": attempt,
-        "worker": worker_id,
-        "due": rfc3339(claimed.due_ns / 1e9),
-        "start": rfc3339(out.start),
-        "end": end,
-    }
-    results: dict[str, Any] = {}
-    if out.exit_code is not None:
-        entry["exit_code"] = results["exit_code"] = out.exit_code
-    if error is not None:
-        entry["error"] = results["error"] = error
-    if out.stdout:
-        results["stdout"] = out.stdout
-    if out.stderr:
-        results["stderr"] = out.stderr
-    if out.has_result:
-        results["result"] = out.result
-    record.add_run(job, entry, results)
-    dest = decide(ctx, job, out, attempt)
+    dest = record.add_finish(job, out, attempt, claimed.due_ns / 1e9, worker_id, ctx.settings["max_attempts"])
     due: float | None = None
-    if dest == "done":
-        job["outcome"] = "succeeded"
     if dest == "failed":
-        if due_now or out.interrupted:
-            due = now
-        else:
-            due = now + backoff(ctx, attempt)
-    job["state"] = dest
-    job["finished_at" if dest != "failed" else "failed_at"] = end
+        due = now if (due_now or out.interrupted) else now + backoff(ctx, attempt)
     data = record.fitted(job, int(ctx.settings["max_job_bytes"]))
     if stage and claimed.held.stage(data):
         return dest, due
@@ -583,10 +545,7 @@ def cancel(ctx: Context, job_id: str, on_note: Callable[[str], None] | None = No
             job = check(ctx, held.st, held.read, held.name)
         except InvalidJob as e:
             raise NotPossible(f"job {job_id} is not a valid job ({e}); a worker will move it to dead/") from None
-        record.clear_run_fields(job)
-        job["state"] = "done"
-        job["outcome"] = "cancelled"
-        job["finished_at"] = rfc3339()
+        record.cancel(job)
         # Moved first, rewritten after (locked throughout): a crash in between
         # leaves a job in done/ that never runs, its record not yet saying
         # so (one without an outcome reads as cancelled: record.as_done). Rewritten
@@ -735,8 +694,7 @@ def _retry_held(ctx: Context, held: Held, on_note: Callable[[str], None] | None)
         raise NotPossible(f"new/{target} already exists; the dead job stays in dead/") from None
     except FileNotFoundError:  # a lock does not stop `mv`
         raise NotPossible(f"dead/{held.name} was moved away meanwhile (by hand?); it was not retried") from None
-    record.clear_run_fields(job)
-    record.fresh_round(job)
+    record.retry(job)
     _rewrite_after_move(ctx, held, record.dumps(job), "new", on_note,
                         f"job {id_of(target)} is back in new/, but its record could not be updated",
                         "a worker still gives it a fresh round")

@@ -94,7 +94,7 @@ def _recover_job(conn, settings: dict, row: tuple, report: Report) -> str | None
         return "dead" if changed else None
     attempt = int(job.get("attempts") or 0) + 1
     start = claimed_at if claimed_at is not None else time.time()
-    out = shaping.Interrupted(start=start, end=time.time())
+    out = shaping.interrupted(start)
     state, delay, new_text = shaping.finished(settings, job, attempt, due, out, worker or "unknown", due_now=True)
     changed = conn.execute(queries.FINISH, {"id": job_id, "token": token, "state": state, "record": new_text,
                                             "target": record.target_label(job), "delay": delay}).rowcount
