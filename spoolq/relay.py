@@ -116,8 +116,11 @@ class Relay:
         try:
             if waker is not None:
                 waker.start()
+            recovered: float | None = None
             while not self.stop.is_set():
-                source.recover()
+                if recovered is None or time.monotonic() - recovered >= RESCAN:  # (not at every wake-up: it walks the claims)
+                    source.recover()
+                    recovered = time.monotonic()
                 moved = self._pass(reg, commit)
                 if self.result.unavailable and not self.watch:
                     break
