@@ -215,7 +215,8 @@ class Backend(Protocol):
     # -- the worker --------------------------------------------------------
     def register(self, kinds: list[str], tuning: Any = None) -> WorkerReg:
         """This worker's registration; ``kinds``: the handler kinds it runs
-        (a claim passes over other handler jobs, no attempt counted);
+        (a claim passes over other handler jobs, no attempt counted; None:
+        it takes every kind, as a relay does);
         ``tuning``: the worker's Tuning, read for what applies."""
     def waker(self, poll: float | None, log: Any) -> Waker: ...
     def recover(self) -> Report: ...

@@ -449,6 +449,25 @@ def work(ctx, jobs, max_jobs, max_time, app, watch, poll, quiet, verbose, allow_
 
 
 @cli.command()
+@click.option("--to", "to", required=True, metavar="URL", help="The PostgreSQL spool (postgresql://...).")
+@click.option("--watch", is_flag=True, help="Keep running and wake on new files.")
+@click.option("--poll", type=Seconds(min=0.01), metavar="SECONDS",
+              help="Watch by rescanning every SECONDS (no inotify). Implies --watch.")
+@click.option("-q", "--quiet", is_flag=True, help="Log only problems.")
+@click.pass_context
+def relay(ctx, to, watch, poll, quiet):
+    """Move this spool's jobs into a PostgreSQL spool (until none is due, or forever with --watch)."""
+    spool = _spool(ctx)
+    output.require_spool(spool)
+    output.log_to_stderr()
+    result = spool.relay(to, watch=watch or poll is not None, poll=poll, log=output.Log(level=0 if quiet else 1))
+    if result.unavailable:
+        fail(f"{result.unavailable}: the jobs wait here for the next relay", 1)
+    if result.problems:
+        fail(result.problems[0], 1)
+
+
+@cli.command()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.option("--prometheus", is_flag=True, help="Print the Prometheus text format.")
 @click.pass_context
@@ -469,11 +488,15 @@ def status(ctx, as_json, prometheus):
     if counts.get("dropped") is not None:
         echo(f"{'dropped':<8}{counts['dropped']:>10}  (in drop/, for a worker to pick up)")
     for state in ("new", "cur", "failed"):
-        note = _abandoned(counts["abandoned"]) if state == "cur" else _unhandled(counts["unhandled"]) if state == "new" else ""
+        note = _abandoned(counts["abandoned"]) if state == "cur" else _unhandled(counts.get("unhandled") or {}) if state == "new" else ""
         echo(one_line(f"{state:<8}{counts[state]:>10}{note}"))
     purged = f"  (and {counts['dead_purged']} purged into index.db)" if counts.get("dead_purged") else ""
     echo(f"{'dead':<8}{counts['dead']:>10}{purged}")
     echo(f"{'done':<8}{counts['done']:>10}  ({counts['done_files']} in done/, {counts['compacted']} compacted)")
+    relayed = counts.get("relay")
+    if relayed:
+        since = f", the oldest since {relayed['since']}" if relayed["since"] else ""
+        echo(one_line(f"{'relay':<8}{relayed['waiting']:>10}  (wait to be relayed to {relayed['to']}{since})"))
     workers = counts["workers"]
     if counts.get("workers_seen") is False:
         echo(f"{'workers':<8}{'-':>10}  (seen by the spool's owner only)")

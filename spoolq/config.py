@@ -38,6 +38,7 @@ DEFAULTS: dict[str, Any] = {
     "compact_after": 10000,
     "rescan_interval": 30,
     "app": "",
+    "relay_to": "",
 }
 
 HELP = {
@@ -57,6 +58,7 @@ HELP = {
     "compact_after": "fold done/ into index.db when it holds more files (0 = never)",
     "rescan_interval": "seconds between full rescans in watch mode",
     "app": "the handlers every worker loads when --app is not given (MODULE:ATTR, or MODULE for MODULE:HANDLERS)",
+    "relay_to": "the PostgreSQL spool 'spoolq relay' moves this spool's jobs into (set by relay; status counts what waits)",
 }
 
 _APP_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*(:[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*)?\Z")
@@ -225,7 +227,21 @@ def check(key: str, value: Any, stored: bool = False) -> Any:
         return _users(key, value, stored)
     if key == "app":
         return _app(key, value)
+    if key == "relay_to":
+        return _relay_to(key, value)
     raise AssertionError(key)
+
+
+def _relay_to(key: str, value: Any) -> str:
+    """A postgresql:// URL without a password (config.json is readable by
+    the spool's users), or "" for none."""
+    from urllib.parse import urlsplit
+
+    if not isinstance(value, str) or (value and not value.startswith(("postgresql://", "postgres://"))):
+        raise ConfigError(f"{key} must be a postgresql:// URL (or empty), not {value!r}")
+    if value and (urlsplit(value).password or "password=" in value):
+        raise ConfigError(f"{key} must not carry a password: use ~/.pgpass or PGPASSWORD")
+    return value
 
 
 def refusal(settings: dict[str, Any], job: dict) -> str | None:

@@ -31,6 +31,7 @@ from .errors import (  # noqa: F401 - importable from here too
     RequestPending,
     SpoolError,
 )
+from .backend import Unavailable
 from .ids import id_problem, new_id
 from .owners import swappable, user_name
 
@@ -264,8 +265,26 @@ class Spool:
     def status(self, on_problem: Callable[[str], None] | None = None) -> dict[str, Any]:
         """Counts per state (``done`` includes the history), jobs whose
         worker died (``abandoned``) and live workers; what cannot be read is
-        skipped and told to ``on_problem``."""
-        return self.backend.counts(on_problem)
+        skipped and told to ``on_problem``. A spool a relay moves jobs
+        out of (its ``relay_to`` setting) also says how many wait to be
+        relayed and since when (``relay``)."""
+        counts = self.backend.counts(on_problem)
+        to = self.settings.get("relay_to") if self.backend.exists() else None
+        if to:
+            counts["relay"] = self._relay_backlog(to, counts)
+        return counts
+
+    def _relay_backlog(self, to: str, counts: dict[str, Any]) -> dict[str, Any]:
+        """Jobs waiting to be relayed (waiting, failed or being sent) and the
+        creation time of the oldest of them."""
+        oldest = None
+        for state in ("new", "failed", "cur"):
+            for job in self.backend.list(state, limit=1):
+                created = job.get("created_at") or job.get("mtime")
+                if created and (oldest is None or created < oldest):
+                    oldest = created
+        waiting = counts["new"] + counts["failed"] + counts["cur"]
+        return {"to": to, "waiting": waiting, "since": oldest if waiting else None}
 
     def stats(self, since: float | None = None) -> dict[str, Any]:
         """Finished jobs, throughput, wait time (due to start) and run time
@@ -328,6 +347,32 @@ class Spool:
         return self.backend.sweep()
 
     # -- running -----------------------------------------------------------
+
+    def relay(self, to: str, watch: bool = False, poll: float | None = None, log: Any = None,
+              stop: Any = None) -> Any:
+        """Move this spool's due jobs into the PostgreSQL spool at ``to``
+        (see relay.py), until none is due (or, with ``watch``, until
+        ``stop``, a threading.Event, is set). Records ``to`` as this spool's
+        ``relay_to`` setting, so that ``status`` counts what waits. Returns
+        a relay.RelayResult (``unavailable``: why it stopped early)."""
+        from .relay import Relay  # imported here: only a relay needs it
+
+        if not to.startswith(("postgresql://", "postgres://")):
+            raise SpoolError(f"--to must be a postgresql:// URL, not {to!r}")
+        if self.location.startswith(("postgresql://", "postgres://")):
+            raise SpoolError("a relay moves jobs out of a spool directory; -s names a PostgreSQL spool")
+        source = self.backend
+        source.require_runner("relay its jobs", "relay")
+        source.open(create=False)
+        dest = open_backend(to)
+        shown = dest.location
+        if self.settings.get("relay_to") != shown:
+            source.config_set("relay_to", shown)
+        try:
+            dest.open(create=False)
+        except Unavailable:
+            pass  # the jobs wait here; the relay tries again
+        return Relay(source, dest, watch=watch, poll=poll, log=log, stop=stop).run()
 
     def work(
         self,

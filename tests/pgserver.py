@@ -112,10 +112,18 @@ class PgServer:
         data = os.path.join(self.base, "data")
         self._run(os.path.join(self.bindir, "initdb"), "-D", data, "-A", "trust", "-U", SUPERUSER,
                   "-E", "UTF8", "--locale=C", "--no-sync", "--no-instructions")
+        self.resume()
+
+    def resume(self) -> None:
+        """Start the server (again, after ``pause``)."""
         options = " ".join(["-c listen_addresses=''", f"-c unix_socket_directories={self.base}", f"-c port={PORT}"]
                            + [f"-c {name}={value}" for name, value in self.settings.items()])
-        self._run(os.path.join(self.bindir, "pg_ctl"), "-D", data, "-l", os.path.join(self.base, "log"),
-                  "-o", options, "-w", "-t", "60", "start")
+        self._run(os.path.join(self.bindir, "pg_ctl"), "-D", os.path.join(self.base, "data"),
+                  "-l", os.path.join(self.base, "log"), "-o", options, "-w", "-t", "60", "start")
+
+    def pause(self) -> None:
+        """Stop the server (fast: sessions are ended, the data kept) until ``resume``."""
+        self._run(os.path.join(self.bindir, "pg_ctl"), "-D", os.path.join(self.base, "data"), "-m", "fast", "-w", "stop")
 
     def restart(self) -> None:
         """Stop the server (fast: sessions are ended, the data kept) and start it again."""

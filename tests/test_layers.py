@@ -24,7 +24,7 @@ LAYERS = [
     ["output", "waker"],
     ["backend", "runner"],  # backend: the storage port every spool implements; runner: one run
     ["forkserver", "outcomes", "strategies"],  # the worker's parts: recording outcomes; -j 1 and -j N
-    ["worker"],  # the loop: through the port only
+    ["worker", "relay"],  # the loop, and the relay between two spools: through the port only
     ["pool"],
     # The directory spool, behind the port (imported only by the facade and bench):
     ["dirspool.mounts", "dirspool.protocol"],  # which filesystem the spool is on; paths, locks, syncs, renames

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""The PostgreSQL spool beside procrastinate, on one local server, in one run.
+"""The PostgreSQL spool beside procrastinate, on one local server, in one
+run, with the directory spool for reference.
 
-Usage (from a checkout, with its virtual environment and the test extra):
+Usage (from a checkout, with its virtual environment and the postgres extra):
 
     .venv/bin/python contrib/bench/pg-bench.py [--rounds 3] [--jobs 4000] [--fsync on|off] [--venv DIR]
 
@@ -10,23 +11,24 @@ initdb and pg_ctl on a Unix socket in a temporary folder, here with the
 server's default durability unless --fsync off) and installs procrastinate
 into a virtual environment of its own (--venv, default
 /tmp/spoolq-bench-procrastinate; never a spoolq dependency). Then, in
-alternating rounds, each in a fresh database, for both queues:
+alternating rounds, each in a fresh database (or spool directory), for
+each queue:
 
-- drain: N no-op jobs waiting, then 1, 2 and 4 worker processes started,
-  connected and waiting for a go, timed from the go until all have exited;
-- enqueue: 1,000 jobs one per transaction, and 20 batches of 1,000;
-- pickup: a waiting worker, 40 jobs enqueued 50 ms apart, the time from
-  each enqueue call's return to the job's start.
+- drain: N no-op handler jobs waiting, then the real worker started --
+  ``spoolq work -s URL -j W --app`` (W worker processes), or W
+  procrastinate worker processes (``procrastinate worker`` as
+  ``run_worker(wait=False, concurrency=1)``: one job at a time each, as a
+  spoolq worker process) -- timed from the start of the processes until
+  they have all exited, their start-up included for both;
+- enqueue: 1,000 jobs one per call (``Spool.enqueue``; ``defer``), and 20
+  batches of 1,000 (``Spool.enqueue_many``; ``batch_defer``);
+- pickup: a waiting worker (``spoolq work --watch``; ``run_worker(wait=True)``),
+  40 jobs enqueued 50 ms apart, the time from each enqueue call's return
+  to the start of the job's handler.
 
-It prints the median of the rounds per figure and the ratios.
-
-The spoolq workers here are a minimal loop over the PostgreSQL backend
-(register, claim_next, a no-op, finish, and a group commit of up to 64
-finishes or 50 ms, as the worker commits), because ``spoolq work`` does
-not run on the storage port yet; its enqueue builds each record as
-``Spool.enqueue`` does. procrastinate runs its own worker
-(``run_worker(wait=False, concurrency=1)``, one job per process at a time
-as spoolq -j 1) and its own ``defer``/``batch_defer``.
+The directory spool runs the same (``spoolq work -s DIR``), in a scratch
+folder under /tmp. It prints the median of the rounds per figure and the
+ratios.
 """
 
 from __future__ import annotations
@@ -34,9 +36,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -46,93 +50,40 @@ WORKERS = (1, 2, 4)
 
 # -- the roles a child process plays (one interpreter each) -------------------------------
 
+APP = """import time
 
-def spoolq_backend(url: str):
+def noop(payload=None):
+    if payload:
+        with open(payload["mark"], "a") as f:
+            f.write(f"{payload['i']} {time.time()}\\n")
+
+HANDLERS = {"noop": noop}
+"""
+
+
+def spoolq_role(role: str, location: str, arg: int) -> None:
+    """What a child does with spoolq's Python API (the facade, as a program uses it)."""
     sys.path.insert(0, ROOT)
-    from spoolq.pgspool import PgBackend
+    from spoolq import Spool
 
-    backend = PgBackend(url)
-    backend.open()
-    return backend
-
-
-def spoolq_records(backend, n: int) -> list:
-    """Jobs as Spool.enqueue makes them: an id, the record, checked."""
-    from spoolq import config, record
-    from spoolq.ids import new_id
-
-    items = []
-    now = time.time()
-    for _ in range(n):
-        job_id = new_id()
-        job = record.new_job({"kind": "noop"}, job_id, now)
-        assert config.refusal(backend.settings, job) is None
-        data = record.serialise(job)
-        assert len(data) <= int(backend.settings["max_job_bytes"])
-        items.append((job_id, data, None))
-    return items
-
-
-def spoolq_role(role: str, url: str, arg: int) -> None:
-    from spoolq.record import Outcome
-
-    if role == "schema":
-        sys.path.insert(0, ROOT)
-        from spoolq.pgspool import PgBackend
-
-        PgBackend(url).init()
-        return
-    backend = spoolq_backend(url)
+    q = Spool(location)
     if role == "fill":
         for start in range(0, arg, 1000):
-            backend.enqueue(spoolq_records(backend, min(1000, arg - start)))
+            q.enqueue_many([{"kind": "noop"}] * min(1000, arg - start))
     elif role in ("single", "batch"):
         started = time.perf_counter()
         if role == "single":
             for _ in range(arg):
-                backend.enqueue(spoolq_records(backend, 1))
+                q.enqueue(kind="noop")
         else:
             for _ in range(arg // 1000):
-                backend.enqueue(spoolq_records(backend, 1000))
+                q.enqueue_many([{"kind": "noop"}] * 1000)
         print(json.dumps({"seconds": time.perf_counter() - started}), flush=True)
-    elif role == "drain":
-        reg = backend.register()
-        print("ready", flush=True)
-        sys.stdin.readline()
-        pending, since = 0, time.monotonic()
-        while (claim := backend.claim_next()) is not None:
-            start = time.time()
-            backend.finish(claim, Outcome(start=start, end=time.time()), reg.worker_id)
-            pending += 1
-            if pending >= 64 or time.monotonic() - since >= 0.05:
-                backend.commit()
-                pending, since = 0, time.monotonic()
-        backend.commit()
-        reg.close()
-    elif role == "watch":
-        reg = backend.register()
-        waker = backend.waker()
-        waker.start()
-        waker.listening.wait(30)
-        print("ready", flush=True)
-        while True:
-            claim = backend.claim_next()
-            if claim is None:
-                waker.wait(1.0)
-                waker.clear()
-                continue
-            print(json.dumps({"id": claim.job["payload"], "at": time.time()}), flush=True)
-            backend.finish(claim, Outcome(start=time.time(), end=time.time()), reg.worker_id)
-            backend.commit()
     elif role == "produce":
+        mark = os.environ["BENCH_MARK"]
         for i in range(arg):
             time.sleep(0.05)
-            from spoolq import record
-            from spoolq.ids import new_id
-
-            job_id = new_id()
-            backend.enqueue([(job_id, record.serialise(record.new_job({"kind": "noop", "payload": i}, job_id,
-                                                                      time.time())), None)])
+            q.enqueue(kind="noop", payload={"i": i, "mark": mark})
             print(json.dumps({"id": i, "at": time.time()}), flush=True)
 
 
@@ -162,9 +113,8 @@ def procrastinate_role(role: str, url: str, arg: int) -> None:
 
         async def work() -> None:
             async with app.open_async():
-                print("ready", flush=True)
-                if role == "drain":
-                    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+                if role == "watch":
+                    print("ready", flush=True)
                 await app.run_worker_async(wait=role == "watch", concurrency=1, install_signal_handlers=False)
 
         asyncio.run(work())
@@ -196,39 +146,60 @@ def procrastinate_role(role: str, url: str, arg: int) -> None:
 
 
 class Bench:
-    def __init__(self, server, venv: str, jobs: int):
+    SYSTEMS = ("spoolq", "procrastinate", "spoolq-dir")
+
+    def __init__(self, server, venv: str, jobs: int, scratch: str):
         self.server = server
-        self.python = {"spoolq": sys.executable, "procrastinate": os.path.join(venv, "bin", "python")}
+        self.python = {"spoolq": sys.executable, "spoolq-dir": sys.executable,
+                       "procrastinate": os.path.join(venv, "bin", "python")}
         self.jobs = jobs
+        self.scratch = scratch  # the handlers' module, and the directory spools
+        with open(os.path.join(scratch, "benchapp.py"), "w") as f:
+            f.write(APP)
+        self._n = 0
 
     def child(self, system: str, role: str, url: str, arg: int = 0, **kw) -> subprocess.Popen:
-        return subprocess.Popen([self.python[system], os.path.abspath(__file__), "--role", system, role, url, str(arg)],
+        kind = "procrastinate" if system == "procrastinate" else "spoolq"
+        return subprocess.Popen([self.python[system], os.path.abspath(__file__), "--role", kind, role, url, str(arg)],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, **kw)
 
-    def run(self, system: str, role: str, url: str, arg: int = 0) -> str:
-        proc = self.child(system, role, url, arg)
+    def worker(self, location: str, *args: str) -> subprocess.Popen:
+        """The real ``spoolq work``, handlers from benchapp.py."""
+        return subprocess.Popen([sys.executable, "-m", "spoolq", "-s", location, "work", "-q", "--app", "benchapp", *args],
+                                cwd=self.scratch, stdin=subprocess.DEVNULL, env=dict(os.environ, PYTHONPATH=ROOT))
+
+    def run(self, system: str, role: str, url: str, arg: int = 0, **kw) -> str:
+        proc = self.child(system, role, url, arg, **kw)
         out, _ = proc.communicate(timeout=3600)
         if proc.returncode:
             raise SystemExit(f"{system} {role} failed ({proc.returncode})")
         return out
 
     def database(self, system: str) -> str:
-        url = self.server.url(self.server.new_database())
-        self.run(system, "schema", url)
-        return url
+        if system == "spoolq-dir":
+            self._n += 1
+            location = os.path.join(self.scratch, f"spool{self._n}")
+        else:
+            location = self.server.url(self.server.new_database())
+        if system == "procrastinate":
+            self.run(system, "schema", location)
+        else:
+            subprocess.run([sys.executable, "-m", "spoolq", "-s", location, "init"], check=True, capture_output=True,
+                           env=dict(os.environ, PYTHONPATH=ROOT))
+        return location
 
     def drain(self, system: str, workers: int) -> float:
         url = self.database(system)
         self.run(system, "fill", url, self.jobs)
-        procs = [self.child(system, "drain", url) for _ in range(workers)]
-        for p in procs:
-            assert p.stdout.readline().strip() == "ready"
         started = time.perf_counter()
-        for p in procs:
-            p.stdin.write("go\n")
-            p.stdin.flush()
-        for p in procs:
-            p.communicate(timeout=3600)
+        if system == "procrastinate":
+            procs = [self.child(system, "drain", url) for _ in range(workers)]
+            for p in procs:
+                p.communicate(timeout=3600)
+        else:
+            proc = self.worker(url, "-j", str(workers))
+            if proc.wait(timeout=3600):
+                raise SystemExit(f"spoolq work failed ({proc.returncode})")
         return self.jobs / (time.perf_counter() - started)
 
     def enqueue(self, system: str, mode: str) -> float:
@@ -238,15 +209,29 @@ class Bench:
 
     def pickup(self, system: str, count: int = 40) -> float:
         url = self.database(system)
-        watcher = self.child(system, "watch", url)
-        try:
+        if system == "procrastinate":
+            watcher = self.child(system, "watch", url)
             assert watcher.stdout.readline().strip() == "ready"
-            time.sleep(0.5)
-            sent = {e["id"]: e["at"] for e in map(json.loads, self.run(system, "produce", url, count).splitlines())}
+        else:
+            watcher = self.worker(url, "--watch")
+        mark = os.path.join(self.scratch, f"marks{self._n}-{time.monotonic_ns()}")
+        try:
+            time.sleep(1.0)  # the worker connected and waiting
+            env = dict(os.environ, BENCH_MARK=mark)
+            sent = {e["id"]: e["at"] for e in map(json.loads, self.run(system, "produce", url, count, env=env).splitlines())}
             started: dict[int, float] = {}
-            while len(started) < count:
-                event = json.loads(watcher.stdout.readline())
-                started[event["id"]] = event["at"]
+            deadline = time.monotonic() + 120
+            while len(started) < count and time.monotonic() < deadline:
+                if system == "procrastinate":
+                    event = json.loads(watcher.stdout.readline())
+                    started[event["id"]] = event["at"]
+                else:
+                    time.sleep(0.05)
+                    if os.path.exists(mark):
+                        with open(mark) as f:
+                            for line in f:
+                                i, at = line.split()
+                                started[int(i)] = float(at)
         finally:
             watcher.kill()
             watcher.wait()
@@ -280,8 +265,9 @@ def main() -> None:
                 "shared_buffers": "128MB"}
     server = PgServer(find_bindir(), settings)
     server.start()
+    scratch = tempfile.mkdtemp(prefix="spoolq-pg-bench-", dir="/tmp")
     try:
-        bench = Bench(server, args.venv, args.jobs)
+        bench = Bench(server, args.venv, args.jobs, scratch)
         measures = [(f"drain, {w} worker{'s' if w > 1 else ''} (jobs/s)", "drain", w) for w in WORKERS]
         measures += [("enqueue, one per call (jobs/s)", "enqueue", "single"),
                      ("enqueue, batches of 1000 (jobs/s)", "enqueue", "batch"),
@@ -289,22 +275,26 @@ def main() -> None:
         results: dict[tuple[str, str], list[float]] = {}
         for r in range(args.rounds):
             for label, kind, arg in measures:
-                order = ("spoolq", "procrastinate") if r % 2 == 0 else ("procrastinate", "spoolq")
+                order = Bench.SYSTEMS if r % 2 == 0 else tuple(reversed(Bench.SYSTEMS))
                 for system in order:
                     method = getattr(bench, kind)
                     value = method(system, arg) if arg is not None else method(system)
                     results.setdefault((label, system), []).append(value)
                     print(f"round {r + 1}: {label:<36} {system:<14} {value:10.1f}", file=sys.stderr, flush=True)
-        print(f"\n{args.rounds} rounds, {args.jobs} jobs per drain, fsync {args.fsync}; medians")
-        print(f"| {'measure':<36} | {'spoolq (PostgreSQL)':>19} | {'procrastinate':>13} | {'ratio':>6} |")
-        print(f"|{'-' * 38}|{'-' * 21}:|{'-' * 15}:|{'-' * 8}:|")
+        load = os.getloadavg()
+        print(f"\n{args.rounds} rounds, {args.jobs} jobs per drain, fsync {args.fsync}; medians; "
+              f"load average at the end {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} on {os.cpu_count()} cores")
+        print(f"| {'measure':<36} | {'spoolq (PostgreSQL)':>19} | {'procrastinate':>13} | {'ratio':>6} | "
+              f"{'spoolq (directory)':>18} |")
+        print(f"|{'-' * 38}|{'-' * 21}:|{'-' * 15}:|{'-' * 8}:|{'-' * 20}:|")
         for label, _, _ in measures:
-            ours = statistics.median(results[(label, "spoolq")])
-            theirs = statistics.median(results[(label, "procrastinate")])
+            ours, theirs, local = (statistics.median(results[(label, system)])
+                                   for system in ("spoolq", "procrastinate", "spoolq-dir"))
             ratio = theirs / ours if "latency" in label else ours / theirs
-            print(f"| {label:<36} | {ours:19.1f} | {theirs:13.1f} | {ratio:5.1f}x |")
+            print(f"| {label:<36} | {ours:19.1f} | {theirs:13.1f} | {ratio:5.1f}x | {local:18.1f} |")
     finally:
         server.stop()
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 if __name__ == "__main__":

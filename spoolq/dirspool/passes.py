@@ -195,7 +195,8 @@ class Pass:
         self._pickup_more = False  # the last pickup left entries of drop/ for the next pass
         self._pickup_failures: set[str] = set()  # told once per run each (a full disk would fail every pass)
         self.passed_over = PassedOver()  # handler jobs of kinds it has no handler for
-        self.passed_over.load(self.dir, kinds)
+        if kinds is not None:
+            self.passed_over.load(self.dir, kinds)
 
     # -- claims ----------------------------------------------------------------
 
@@ -212,7 +213,8 @@ class Pass:
             if claimed is not None:
                 return claimed
         self.fresh = True
-        self.passed_over.tell(self.dir, self.log, self.worker_id, self.kinds)
+        if self.kinds is not None:  # (a relay takes every kind: it leaves no note of kinds)
+            self.passed_over.tell(self.dir, self.log, self.worker_id, self.kinds)
         return None
 
     def look(self) -> Look:
@@ -257,7 +259,7 @@ class Pass:
         ready = transitions.prepare(self.ctx, entry, time.time_ns(), self.on_quarantine, self.on_busy, self.on_later)
         if ready is not None:
             kind = ready.job.get("kind")
-            if kind is not None and kind not in self.kinds:
+            if kind is not None and self.kinds is not None and kind not in self.kinds:
                 ready.held.release()
                 self.passed_over.add(entry, kind)
                 return None
@@ -337,4 +339,5 @@ class Pass:
     def end(self) -> None:
         """As the worker ends: let the prepared job go; leave what it passed over to the next worker."""
         self.drop_ahead()
-        self.passed_over.save(self.dir)
+        if self.kinds is not None:
+            self.passed_over.save(self.dir)

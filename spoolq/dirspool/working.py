@@ -44,7 +44,7 @@ class WorkerSide:
     def _init_worker_side(self) -> None:
         self.log = _quiet
         self.ctx: transitions.Context | None = None  # the worker's (made once, at register)
-        self._kinds: list[str] = []
+        self._kinds: list[str] | None = []
         self._scan_limit = SCAN_LIMIT
         self._reg: Registration | None = None
         self._pass: Pass | None = None
@@ -67,11 +67,12 @@ class WorkerSide:
 
     # -- the worker --------------------------------------------------------------
 
-    def register(self, kinds: list[str], tuning: Any = None) -> Registration:
+    def register(self, kinds: list[str] | None, tuning: Any = None) -> Registration:
         """This worker's registration (a file in workers/ under its lock),
-        saying which handler kinds it runs; claims pass over the others."""
+        saying which handler kinds it runs; claims pass over the others
+        (``kinds`` None: claims take every kind, as a relay does)."""
         self.ctx = self.context()
-        self._kinds = list(kinds)
+        self._kinds = None if kinds is None else list(kinds)
         self._scan_limit = getattr(tuning, "scan_limit", SCAN_LIMIT)
         from .registry import Registration
 
