@@ -18,7 +18,7 @@ from typing import Any
 
 import click
 
-from . import output, record
+from . import controlcli, output, record
 from .errors import JobNotFound, NotPossible, RequestPending
 from .output import dumps, echo, fail, one_line
 from .spool import PartlyEnqueued, Spool, load_app
@@ -178,8 +178,12 @@ def init(ctx, group):
 @click.option("--at", "at", metavar="TIME", help="Run at this time (RFC 3339 or epoch seconds).")
 @click.option("--env", "env", multiple=True, metavar="K=V", help="Add to the job's environment (repeatable).")
 @click.option("--cwd", metavar="DIR", help="Working directory of the run (default: the current directory).")
+@click.option("--idle-timeout", callback=_duration, metavar="DURATION",
+              help="Stop a run that writes no output for this long (see $SPOOLQ_HEARTBEAT).")
+@click.option("--wait", "wait_", is_flag=True, help="Then wait for the job to finish (exit status as `spoolq wait`).")
 @click.pass_context
-def enqueue(ctx, args, use_argv, kind, payload, job_json, jsonl, job_id, max_attempts, timeout, delay, at, env, cwd):
+def enqueue(ctx, args, use_argv, kind, payload, job_json, jsonl, job_id, max_attempts, timeout, delay, at, env, cwd,
+            idle_timeout, wait_):
     """Enqueue a job and print its id.
 
     One argument is a shell command (run by /bin/sh); several are a
@@ -197,6 +201,8 @@ def enqueue(ctx, args, use_argv, kind, payload, job_json, jsonl, job_id, max_att
     spool = _spool(ctx)
     args, use_argv, job_json = _command_form(args, use_argv, kind, job_json, jsonl)
     options = _job_options(ctx, payload, job_id, max_attempts, timeout, delay, at, env, cwd)
+    if idle_timeout is not None:
+        options["idle_timeout"] = idle_timeout
     if jsonl is not None:
         if job_id is not None:
             fail("--id cannot apply to many jobs; put an id in each line", 2)
@@ -211,11 +217,15 @@ def enqueue(ctx, args, use_argv, kind, payload, job_json, jsonl, job_id, max_att
             _print_ids(getattr(e, "published_ids", []))
             raise
         _print_ids(ids)
+        if wait_:
+            controlcli.wait_and_exit(spool, ids, None, False, False)
         return
     fields = _job_fields(args, use_argv, kind, job_json, options)
     with _creating(spool):
         job_id = spool.enqueue_job(_cwd_here(fields))
     _print_ids([job_id])
+    if wait_:
+        controlcli.wait_and_exit(spool, [job_id], None, False, False)
 
 
 def _command_form(args, use_argv, kind, job_json, jsonl):
@@ -519,12 +529,18 @@ def show(ctx, job_id, as_json):
 @click.argument("job_id", metavar="ID", shell_complete=_id_completer("new", "failed"))
 @click.pass_context
 def cancel(ctx, job_id):
-    """Cancel a waiting job (new/ or failed/ -> done/, outcome cancelled)."""
+    """Cancel a job: a waiting one goes to done/ with outcome cancelled; a
+    running one is killed as `spoolq kill` does, and ends cancelled."""
     output.refuse_bad_ids((job_id,))
     spool = _existing(ctx)
     try:
         spool.cancel(job_id, check=True, on_note=_note)
-    except (JobNotFound, NotPossible) as e:
+    except NotPossible as e:
+        if (spool.get(job_id) or {}).get("state") == "cur":
+            controlcli.kill_and_say(spool, job_id, None)
+            return
+        fail(str(e), 1)
+    except JobNotFound as e:
         fail(str(e), 1)
     except RequestPending as e:
         fail(str(e), PENDING)
@@ -751,6 +767,10 @@ def bench(ctx, n, fsync, sections, true_jobs, scale_sizes, compare, as_json, kee
     result = benchmod.run(spool.path, n, fsync, sections=chosen,
                           true_jobs=true_jobs, scale_sizes=sizes, keep=keep, progress=True)  # (to stderr: --json stays clean)
     echo(benchmod.report(result, as_json))
+
+
+for _command in controlcli.COMMANDS:
+    cli.add_command(_command)
 
 
 def main() -> None:

@@ -28,6 +28,7 @@ from .errors import (  # noqa: F401 - importable from here too
 )
 from .owners import swappable, user_name
 from .protocol import DROP, STATES, SpoolDir, file_name, id_of, id_problem, new_id, refuse_non_directory
+from .jobcontrol import JobControl
 from .views import Views
 
 #: Seconds a member's cancel or retry waits for a worker to answer its
@@ -35,7 +36,7 @@ from .views import Views
 REQUEST_WAIT = 10.0
 
 
-class Spool(Views):
+class Spool(Views, JobControl):
     """A spool directory: enqueue, inspect, cancel, retry and run jobs.
 
     ``Spool()`` uses ``$SPOOLQ_DIR``, else ``./spool``. Nothing is created

@@ -62,6 +62,7 @@ class Store(Protocol):
     def has_deferred(self) -> bool: ...
     def unsynced_since(self) -> float: ...
     def sync_deferred(self) -> None: ...
+    def control(self) -> Any: ...
     def close(self) -> None: ...
 
 
@@ -167,6 +168,12 @@ class DirStore:
 
     def sync_deferred(self) -> None:
         self.dir.sync_deferred()
+
+    def control(self) -> Any:
+        """The control channel's transport (see control.Channel)."""
+        from .dircontrol import ControlDir  # imported here: start-up speed (as the watcher)
+
+        return ControlDir(self.dir)
 
     def close(self) -> None:
         self.dir.drop_spares()

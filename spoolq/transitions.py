@@ -414,8 +414,9 @@ def _duplicate_of(ctx: Context, job_id: str, entry: Entry) -> str | None:
 
 
 def decide(ctx: Context, job: dict, out: Outcome, attempt: int) -> str:
-    """Where a job goes after a run: done, failed or dead."""
-    if out.ok:
+    """Where a job goes after a run: done, failed or dead (a cancelled
+    run: done, never retried)."""
+    if out.ok or out.cancelled:
         return "done"
     if out.permanent:
         return "dead"
@@ -462,7 +463,7 @@ def finish(ctx: Context, claimed: Claimed, out: Outcome, worker_id: str, due_now
     dest = decide(ctx, job, out, attempt)
     due: float | None = None
     if dest == "done":
-        job["outcome"] = "succeeded"
+        job["outcome"] = "cancelled" if out.cancelled else "succeeded"
     if dest == "failed":
         if due_now or out.interrupted:
             due = now

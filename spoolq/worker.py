@@ -38,13 +38,14 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from . import config, linux, procs
+from .control import Listener
 from .commit import COMMIT_JOBS, COMMIT_SECONDS, GroupCommit
 from .errors import ForcedStop
 from .outcomes import Recorder
 from .output import Log, as_log, field, log_what_waits, quoted  # noqa: F401 - Log, log_what_waits: importable from here too
 from .protocol import Entry
 from .registry import Registration
-from .runner import STOPPED_NOW, Limits, Outcome, RunHandle, RunPlan, call_handler, fork_handler, inheritable_fds, run_process
+from .runner import STOPPED_NOW, Limits, cancelled_error, Outcome, RunHandle, RunPlan, call_handler, fork_handler, inheritable_fds, run_process
 from .store import WRITER_GRACE, Claimed, Store
 from .strategies import Serial, Slots
 from .waker import Waker
@@ -243,6 +244,9 @@ class Worker:
         self._deadline: float | None = None
         self._lock = threading.RLock()  # re-entrant: the signal handler takes it too
         self._running: dict[int, RunHandle] = {}  # thread id -> the run it is doing
+        self._jobs: dict[str, tuple[RunHandle, int, int]] = {}  # job id -> (its run, thread id, attempt)
+        self.listener: Listener | None = None  # carries out stop, pause and kill requests
+        self.paused = False
         self.strategy: Serial | Slots = Serial(self, self.tuning) if jobs == 1 else Slots(self, jobs)
         # Each staged job holds two descriptors; a commit comes once a
         # sixteenth of the open-file limit are synced, or twice that staged,
@@ -276,6 +280,36 @@ class Worker:
             self._kill_running()
         if self.waker:
             self.waker.wake()
+
+    def set_paused(self, paused: bool) -> None:
+        """Claim nothing while paused (the control listener says so)."""
+        if paused == self.paused:
+            return
+        self.paused = paused
+        self.log.line(f"worker={self.wid} {'paused: claims nothing until resumed' if paused else 'resumed'}", 1)
+        if self.waker:
+            self.waker.wake()
+
+    def kill_job(self, job_id: str, attempt: int | None, sig: int | None, by: str) -> bool:
+        """Signal a run of this worker: ``sig`` to its process group, or
+        (None) cancel it for good. Only runs this worker started are
+        signalled; False when it runs no such run."""
+        with self._lock:
+            entry = self._jobs.get(job_id)
+        if entry is None or (attempt is not None and entry[2] != attempt):
+            return False
+        handle, thread_id, _ = entry
+        if sig is not None:
+            handle.send(sig)
+            return True
+        handle.cancel(by, float(self.settings["timeout_grace"]))
+        with handle._lock:
+            if handle.inline:  # an in-process handler: stopped as a forced stop stops it
+                linux.raise_in_thread(thread_id, ForcedStop)
+        return True
+
+    def _control_line(self, text: str, level: int, severity: Any) -> None:
+        self.log.line(f"worker={self.wid} {text}", level, severity)
 
     def _kill_running(self) -> None:
         with self._lock:
@@ -367,6 +401,8 @@ class Worker:
             store.open()
             self.registration = store.register()
             self.registration.start_flusher()
+            self.listener = Listener(store.control(), self, self._control_line)
+            self.listener.start()
         except BaseException:
             for sig, old in old_handlers.items():
                 signal.signal(sig, old)
@@ -401,6 +437,8 @@ class Worker:
             except Exception as e:
                 self.log.line(f"worker={self.wid} cannot record the last outcome: {e}", 0)
             self.commit.stop(committer_stop)
+            if self.listener:
+                self.listener.stop()
             if self.waker:
                 self.waker.stop()
             for sig, old in old_handlers.items():
@@ -462,6 +500,9 @@ class Worker:
                 entries, pos = self._scan(), 0
                 read_ahead = ReadAhead(store, entries)
                 continue
+            if self.paused:
+                pos = len(entries)  # the pass ends here; the next waits for resume
+                continue
             read_ahead.before(pos)
             entry = entries[pos]
             pos += 1
@@ -488,6 +529,9 @@ class Worker:
         (or a moment, when another worker held a due file); False when a
         drain is over or the worker stops. Then compact if due."""
         self.strategy.idle()  # before pausing, compacting or scanning
+        if self.paused:
+            self._wait_paused()
+            return self.may_claim()  # resumed: look again at once
         if self._pass_claims:
             self._busy_rounds = 0
         if not first and self._pass_claims == 0 and self._finished_since_scan == 0 and not self._pickup_more:
@@ -511,6 +555,16 @@ class Worker:
                 return False
         self._maybe_compact()
         return True
+
+    def _wait_paused(self) -> None:
+        """Sleep while the spool is paused (the listener wakes us); running
+        jobs finish and are recorded meanwhile."""
+        while self.paused and not self.stopping:
+            self.commit.commit()
+            self.registration.flush()
+            self.waker.clear()
+            if self.paused and not self.stopping:
+                self.waker.wait(self._rescan_interval() if self.watch else 1.0)
 
     def _scan(self) -> list[Entry]:
         """List the due entries for a new pass."""
@@ -664,6 +718,9 @@ class Worker:
             self.log.line(f"worker={self.wid} job={job_id} cannot register the run: {e}", 0)
         with self._lock:
             self._running[thread_id] = handle
+            self._jobs[job_id] = (handle, thread_id, claimed.attempt)
+        if self.listener is not None:
+            self.listener.started(job_id, claimed.attempt)
         run_began = time.time()  # what a stopped run's record says it started at
         out: Outcome
         try:
@@ -677,12 +734,17 @@ class Worker:
             else:
                 out = self._spawn(claimed, limits, handle)
         except ForcedStop:
-            out = Outcome(start=run_began, end=time.time(), error=STOPPED_NOW, interrupted=True)
+            if handle.cancelled:
+                out = Outcome(start=run_began, end=time.time(), error=cancelled_error(handle.cancelled),
+                              cancelled=handle.cancelled)
+            else:
+                out = Outcome(start=run_began, end=time.time(), error=STOPPED_NOW, interrupted=True)
         except Exception as e:  # spoolq's own failure to run it: a failed run, not a dead worker
             out = Outcome(start=run_began, end=time.time(), error=f"internal error running the job: {type(e).__name__}: {e}")
         finally:
             with self._lock:
                 self._running.pop(thread_id, None)
+                self._jobs.pop(job_id, None)
         self.strategy.finished(claimed, out, inline)
 
     def _spawn(self, claimed: Claimed, limits: Limits, handle: RunHandle) -> Outcome:

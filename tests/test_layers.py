@@ -21,15 +21,15 @@ LAYERS = [
     ["errors", "ids", "linux"],  # leaves: import nothing from spoolq
     ["owners", "procs", "record"],
     ["config", "protocol"],
-    ["output", "waker"],
-    ["registry", "runner", "watcher"],
+    ["output", "waker", "control"],
+    ["registry", "runner", "watcher", "dircontrol"],
     ["index", "transitions"],
     ["compact", "pickup", "recovery"],
     ["store"],  # the narrow storage interface the worker uses, and the directory's
     ["commit", "outcomes", "strategies"],  # group commit; recording outcomes; -j 1 and -j N
     ["worker"],
     ["pool"],
-    ["views"],  # the read side of Spool: records, listings, counts
+    ["views", "jobcontrol"],  # the read side of Spool: records, listings, counts; wait, kill, stop, pause
     ["spool"],  # the facade: Spool.work is the only way to run workers
     ["bench", "metrics", "testing"],
     ["cli"],
