@@ -229,7 +229,7 @@ class Bench:
         assert ran == n, (ran, n)
         note = "no-op handlers, in-process, -j 1"
         if timeout is not None:
-            note = "no-op handlers with a timeout: each in a forked child, -j 1"
+            note = "no-op handlers with a timeout: each in a process of its own (forked by the fork server), -j 1"
         return self.add(Figure(name, n, seconds, baseline="bare_drain", note=note))
 
     def drain_two_workers(self, n: int) -> Figure:
@@ -792,7 +792,7 @@ def run(spool_path: str, jobs: int, fsync: bool, sections: tuple[str, ...] = SEC
 
 def _drain_section(bench: Bench, jobs: int) -> None:
     """The drain section: the bare claim and drain loops, handler jobs drained
-    by one worker and by two, and the cost of the fork model per job."""
+    by one worker and by two, and the cost of a handler job run in a process of its own."""
     bench.bare_claim(jobs)
     sample, size = bench.fresh_spool("bare-drain"), min(jobs, 20000)
     for start in range(0, size, 10000):
@@ -803,7 +803,7 @@ def _drain_section(bench: Bench, jobs: int) -> None:
     forked = bench.drain_handlers(min(jobs, 5000), name="drain_handlers_forked", timeout=60)
     inline = bench.figures["drain_handlers"]
     forked.extra["fork_cost_us"] = round(forked.us_per_job - inline.us_per_job, 1)
-    bench.say(f"cost of the timeout-capable (fork) model: {forked.us_per_job - inline.us_per_job:,.0f} us per job")
+    bench.say(f"cost of a process of its own per handler job (a timeout): {forked.us_per_job - inline.us_per_job:,.0f} us per job")
 
 
 def _sqlite_section(bench: Bench, jobs: int, fsync: bool) -> None:

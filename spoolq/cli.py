@@ -8,7 +8,6 @@ carried out later). Errors are one line on stderr.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -22,6 +21,7 @@ from . import controlcli, output, record
 from .errors import JobNotFound, NotPossible, RequestPending
 from .output import dumps, echo, fail, one_line
 from .spool import PartlyEnqueued, Spool, load_app
+from .words import did_you_mean
 
 STATE_CHOICE = click.Choice(["new", "cur", "failed", "dead", "done"])
 # A member's cancel or retry that no worker answered in time: it waits in
@@ -52,6 +52,24 @@ def _duration(ctx, param, value):
         raise click.BadParameter(str(e)) from None
 
 
+def _history_duration(ctx, param, value):
+    """A duration that decides which history goes (``compact --keep``,
+    ``purge --older-than``): a unit is required, since ``--keep 30`` read
+    as seconds drops what was meant to be kept for a month. Zero needs none."""
+    seconds = _duration(ctx, param, value)
+    if seconds and record.BARE_NUMBER.fullmatch(value.strip()):
+        number = value.strip()
+        raise click.BadParameter(f"{value!r} has no unit: say {number}d (days), {number}h (hours) or {number}m "
+                                 "(minutes)")
+    return seconds
+
+
+# A compact or purge that reaches jobs finished this recently asks for --yes.
+RECENT = 86400
+# An --at further in the past than this is noted (`date +%s` a moment ago is not).
+PAST_NOTED = 60
+
+
 def _given(ctx, name: str) -> str:
     """A duration option as the user wrote it (``--in 400d``, not seconds)."""
     return ctx.meta.get("spoolq.given", {}).get(name, "")
@@ -74,8 +92,30 @@ def _json_arg(text: str, what: str) -> Any:
 _NO_ARGS_IS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())
 
 
+def _near_option(error: click.UsageError) -> str:
+    """A "did you mean" for an unknown option that click's own spelling
+    check finds nothing for (``--retries`` for ``--max-attempts``)."""
+    if not isinstance(error, click.NoSuchOption) or error.possibilities or error.ctx is None:
+        return ""
+    names = [opt for param in error.ctx.command.params for opt in param.opts if opt.startswith("--")]
+    return did_you_mean(error.option_name, names, quote=True).replace(" (did", " Did").replace("?)", "?")
+
+
+def _spool_after(ctx, param, value):
+    """``-s DIR`` given after the command's name: the spool, as before it."""
+    if value is not None:
+        ctx.find_root().obj = Spool(_spool_dir(ctx, param, value))
+
+
 class SpoolGroup(click.Group):
-    """Turns the core's exceptions into one-line messages and exit codes."""
+    """Turns the core's exceptions into one-line messages and exit codes,
+    and gives every command ``-s/--spool`` of its own (``spoolq enqueue -s
+    DIR ...`` as well as ``spoolq -s DIR enqueue ...``)."""
+
+    def add_command(self, cmd: click.Command, name: str | None = None) -> None:
+        cmd.params.append(click.Option(["-s", "--spool", "spool_after"], metavar="DIR", expose_value=False,
+                                       callback=_spool_after, help="The spool directory (as before the command)."))
+        super().add_command(cmd, name)
 
     def main(self, *args: Any, **kwargs: Any) -> Any:
         # click's own errors (a bad option, a missing argument) print usage,
@@ -88,7 +128,7 @@ class SpoolGroup(click.Group):
             sys.exit(e.exit_code)
         except click.UsageError as e:
             where = e.ctx.command_path if e.ctx is not None else "spoolq"
-            fail(f"{e.format_message()} (see '{where} --help')", e.exit_code)
+            fail(f"{e.format_message()}{_near_option(e)} (see '{where} --help')", e.exit_code)
         except click.ClickException as e:
             fail(e.format_message(), e.exit_code)
         except click.Abort:
@@ -198,9 +238,9 @@ def enqueue(ctx, args, use_argv, kind, payload, job_json, jsonl, job_id, max_att
       spoolq enqueue '{"command": "true"}'     (one JSON object: the same as --json)
       spoolq enqueue --jsonl jobs.jsonl
     """
-    spool = _spool(ctx)
     args, use_argv, job_json = _command_form(args, use_argv, kind, job_json, jsonl)
     options = _job_options(ctx, payload, job_id, max_attempts, timeout, delay, at, env, cwd)
+    spool = _existing(ctx)  # a mistyped path must not become a spool no worker reads
     if idle_timeout is not None:
         options["idle_timeout"] = idle_timeout
     if jsonl is not None:
@@ -208,8 +248,7 @@ def enqueue(ctx, args, use_argv, kind, payload, job_json, jsonl, job_id, max_att
             fail("--id cannot apply to many jobs; put an id in each line", 2)
         jobs = [_cwd_here(fields) for fields in _read_jsonl(jsonl, options)]
         try:
-            with _creating(spool):
-                ids = spool.enqueue_many(jobs)
+            ids = spool.enqueue_many(jobs)
         except PartlyEnqueued as e:
             _print_ids(e.ids)  # these will run: a caller must not enqueue them again
             raise
@@ -221,8 +260,7 @@ def enqueue(ctx, args, use_argv, kind, payload, job_json, jsonl, job_id, max_att
             controlcli.wait_and_exit(spool, ids, None, False, False)
         return
     fields = _job_fields(args, use_argv, kind, job_json, options)
-    with _creating(spool):
-        job_id = spool.enqueue_job(_cwd_here(fields))
+    job_id = spool.enqueue_job(_cwd_here(fields))
     _print_ids([job_id])
     if wait_:
         controlcli.wait_and_exit(spool, [job_id], None, False, False)
@@ -289,6 +327,8 @@ def _job_options(ctx, payload, job_id, max_attempts, timeout, delay, at, env, cw
             options["run_at"] = record.parse_time(at)
         except ValueError as e:
             fail(f"--at: {e}", 2)
+        if options["run_at"] < time.time() - PAST_NOTED:
+            _note(f"--at {at} is in the past ({record.rfc3339(options['run_at'])[:19]}Z): the job is due now")
     if env:
         pairs = {}
         for item in env:
@@ -327,21 +367,6 @@ def _job_fields(args, use_argv, kind, job_json, options: dict[str, Any]) -> dict
             fail("the command looks like a JSON job object; give it with --json", 2)
         fields = {"command": args[0], **options}
     return fields
-
-
-@contextlib.contextmanager
-def _creating(spool: Spool):
-    """Enqueueing makes a missing spool; it says so, or a mistyped -s or
-    $SPOOLQ_DIR would go unnoticed until someone wonders why jobs never run."""
-    fresh = not spool.dir.exists()
-    try:
-        yield
-    finally:
-        if fresh and spool.dir.exists():
-            try:
-                echo(f"spoolq: created a new spool at {one_line(spool.path)}", err=True)
-            except OSError:
-                pass  # stderr gone: the job is in all the same
 
 
 def _cwd_here(fields: dict[str, Any]) -> dict[str, Any]:
@@ -410,7 +435,7 @@ def _read_jsonl(source: str, options: dict[str, Any]):
 @click.option("-j", "--jobs", type=click.IntRange(min=1), default=1, show_default=True, help="Jobs to run at once.")
 @click.option("--max-jobs", type=click.IntRange(min=0), help="Stop after claiming this many jobs (0: only recover).")
 @click.option("--max-time", callback=_duration, metavar="DURATION", help="Stop claiming after this long.")
-@click.option("--app", metavar="MODULE:ATTR", help="A mapping of kind to handler function.")
+@click.option("--app", metavar="MODULE:ATTR", help="A mapping of kind to handler function (default: the app setting).")
 @click.option("--watch", is_flag=True, help="Keep running and wake on new files.")
 @click.option("--poll", type=Seconds(min=0.01), metavar="SECONDS",
               help="Watch by rescanning every SECONDS (no inotify; for network filesystems). Implies --watch.")
@@ -420,15 +445,16 @@ def _read_jsonl(source: str, options: dict[str, Any]):
 def work(ctx, jobs, max_jobs, max_time, app, watch, poll, quiet, verbose):
     """Recover, then run due jobs until none is due (or forever with --watch)."""
     spool = _spool(ctx)
+    output.require_spool(spool)  # a mistyped path must not become an empty spool that is watched forever
     handlers = {}
-    if app:
+    setting = spool.default_app() if not app else None
+    if app or setting:
         try:
-            handlers = load_app(app)
+            handlers = load_app(app or setting)
         except ValueError as e:
-            fail(str(e), 2)
+            fail(f"the app setting: {e}" if setting else str(e), 2)
     output.log_to_stderr()
     log = output.Log(level=0 if quiet else 2 if verbose else 1)
-    output.require_spool(spool)  # a mistyped path must not become an empty spool that is watched forever
     result = spool.work(handlers=handlers, jobs=jobs, max_jobs=max_jobs, max_time=max_time,
                         watch=watch or poll is not None, poll=poll, log=log, processes=True)
     output.log_what_waits(spool.dir, log)
@@ -457,7 +483,8 @@ def status(ctx, as_json, prometheus):
     if counts.get("dropped") is not None:
         echo(f"{'dropped':<8}{counts['dropped']:>10}  (in drop/, for a worker to pick up)")
     for state in ("new", "cur", "failed"):
-        echo(f"{state:<8}{counts[state]:>10}{_abandoned(counts['abandoned']) if state == 'cur' else ''}")
+        note = _abandoned(counts["abandoned"]) if state == "cur" else _unhandled(counts["unhandled"]) if state == "new" else ""
+        echo(one_line(f"{state:<8}{counts[state]:>10}{note}"))
     purged = f"  (and {counts['dead_purged']} purged into index.db)" if counts.get("dead_purged") else ""
     echo(f"{'dead':<8}{counts['dead']:>10}{purged}")
     echo(f"{'done':<8}{counts['done']:>10}  ({counts['done_files']} in done/, {counts['compacted']} compacted)")
@@ -483,6 +510,14 @@ def _abandoned(n: int) -> str:
     return f"  ({n} abandoned: their workers died; 'spoolq sweep' or the next worker recovers them)"
 
 
+def _unhandled(by_kind: dict[str, int]) -> str:
+    if not by_kind:
+        return ""
+    n = sum(by_kind.values())
+    kinds = ", ".join(f"{kind} {count}" for kind, count in sorted(by_kind.items()))
+    return f"  ({n} wait{'s' if n == 1 else ''} for a worker with a handler for {'its' if n == 1 else 'their'} kind: {kinds})"
+
+
 def _summary(job: dict[str, Any]) -> str:
     target = job.get("command") or (" ".join(job["argv"]) if job.get("argv") else None) or (
         f"kind={job['kind']}" if job.get("kind") else "")
@@ -490,7 +525,10 @@ def _summary(job: dict[str, Any]) -> str:
     attempts = job.get("attempts", "-")
     error = job.get("error") or ""
     line = f"{job['state']:<7} {job['id']:<32} {when:<28} {attempts!s:>3}  {target}"
-    if error:
+    if job.get("moved_back_from"):
+        # Its last run's error is history now: the job waits for a fresh run.
+        line += f"  [{output.moved_back(job)}{'; its last run: ' + error if error else ''}]"
+    elif error:
         line += f"  [{error}]"
     elif job.get("outcome") == "cancelled" or (job["state"] == "done" and "outcome" not in job
                                                 and job.get("readable") is not False):
@@ -499,7 +537,14 @@ def _summary(job: dict[str, Any]) -> str:
         line += f"  [{output.ABANDONED}]"
     if job.get("readable") is False:
         line += "  [record readable by the spool's owner only]"
+    if job["state"] == "dead" and job.get("compacted"):
+        line += "  [purged into index.db]"
+    if job.get("waits_for_handler"):
+        line += f"  [{output.waits_for_handler(job)}]"
     return one_line(line)
+
+
+LIST_HEADER = f"{'STATE':<7} {'ID':<32} {'DUE OR FINISHED':<28} {'TRY':>3}  JOB"
 
 
 @cli.command(name="list")
@@ -507,11 +552,14 @@ def _summary(job: dict[str, Any]) -> str:
 @click.option("--limit", type=click.IntRange(min=0), help="At most this many jobs.")
 @click.option("--since", callback=_duration, metavar="DURATION", help="Only jobs due or finished this recently.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON Lines.")
+@click.option("--no-header", is_flag=True, help="No header row (printed only on a terminal anyway).")
 @click.pass_context
-def list_(ctx, state, limit, since, as_json):
+def list_(ctx, state, limit, since, as_json, no_header=False):
     """Jobs, oldest first (by due or finish time, then name)."""
     spool = _existing(ctx)
     since_ts = time.time() - since if since is not None else None
+    if not as_json and not no_header and sys.stdout is not None and sys.stdout.isatty():
+        echo(LIST_HEADER)  # for a person; a pipe gets only the jobs, one a line
     for job in spool.list(state=state, limit=limit, since=since_ts):
         echo(dumps(job) if as_json else _summary(job))
 
@@ -521,7 +569,7 @@ def list_(ctx, state, limit, since, as_json):
 @click.option("--json", "as_json", is_flag=True, help="Print the record as JSON.")
 @click.pass_context
 def show(ctx, job_id, as_json):
-    """One job's record, wherever it is (compacted jobs included)."""
+    """One job's record, wherever it is (compacted jobs included); ID may be the start of one."""
     output.show(_spool(ctx), job_id, as_json)
 
 
@@ -529,11 +577,12 @@ def show(ctx, job_id, as_json):
 @click.argument("job_id", metavar="ID", shell_complete=_id_completer("new", "failed"))
 @click.pass_context
 def cancel(ctx, job_id):
-    """Cancel a job: a waiting one goes to done/ with outcome cancelled; a
-    running one is killed as `spoolq kill` does, and ends cancelled."""
+    """Cancel a job (ID may be the start of one): a waiting one goes to done/
+    with outcome cancelled; a running one is killed as `spoolq kill` does."""
     output.refuse_bad_ids((job_id,))
     spool = _existing(ctx)
     try:
+        job_id = spool.resolve(job_id, ("new", "failed"), ())
         spool.cancel(job_id, check=True, on_note=_note)
     except NotPossible as e:
         if (spool.get(job_id) or {}).get("state") == "cur":
@@ -589,6 +638,7 @@ def _retry(ctx, job_ids, all_):
     pending = False
     for jid in job_ids:
         try:
+            jid = spool.resolve(jid, ("dead",), ("dead",))
             spool.retry(jid, check=True, on_note=_note)
             echo(one_line(jid))
         except (JobNotFound, NotPossible) as e:
@@ -611,10 +661,11 @@ def dlq():
 @dlq.command(name="list")
 @click.option("--limit", type=click.IntRange(min=0), help="At most this many jobs.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON Lines.")
+@click.option("--no-header", is_flag=True, help="No header row (printed only on a terminal anyway).")
 @click.pass_context
-def dlq_list(ctx, limit, as_json):
+def dlq_list(ctx, limit, as_json, no_header):
     """Dead jobs, oldest first (spoolq list --state dead)."""
-    ctx.invoke(list_, state="dead", limit=limit, since=None, as_json=as_json)
+    ctx.invoke(list_, state="dead", limit=limit, since=None, as_json=as_json, no_header=no_header)
 
 
 @dlq.command(name="retry")
@@ -644,8 +695,8 @@ def sweep(ctx):
 
 
 @cli.command()
-@click.option("--keep", callback=_duration, metavar="DURATION", help="Drop history older than this (e.g. 30d).")
-@click.option("--yes", is_flag=True, help="Confirm --keep 0 (drop the history of every finished job).")
+@click.option("--keep", callback=_history_duration, metavar="DURATION", help="Drop history older than this (with a unit: 30d, 12h).")
+@click.option("--yes", is_flag=True, help="Confirm a --keep under a day (history of jobs that finished today).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_context
 def compact(ctx, keep, yes, as_json):
@@ -655,6 +706,9 @@ def compact(ctx, keep, yes, as_json):
         # goes, the ones this very compaction folds included.
         fail(f"--keep {_given(ctx, 'keep')} would drop the history of every finished job, including the ones this compaction "
              "folds; add --yes to do that", 2)
+    if keep is not None and keep < RECENT and not yes:
+        fail(f"--keep {_given(ctx, 'keep')} would drop the history of jobs that finished less than a day ago; "
+             "add --yes to do that", 2)
     result = _existing(ctx).compact(keep=keep)
     if as_json:
         echo(json.dumps(result))
@@ -665,11 +719,15 @@ def compact(ctx, keep, yes, as_json):
 
 @cli.command()
 @click.option("--dead", "dead", is_flag=True, required=True, help="Purge dead jobs (the only kind there is).")
-@click.option("--older-than", "older_than", callback=_duration, required=True, metavar="DURATION",
-              help="Only dead jobs whose file is older than this.")
+@click.option("--older-than", "older_than", callback=_history_duration, required=True, metavar="DURATION",
+              help="Only dead jobs whose file is older than this (with a unit: 30d, 12h).")
+@click.option("--yes", is_flag=True, help="Confirm an --older-than under a day (jobs that died today).")
 @click.pass_context
-def purge(ctx, dead, older_than):
+def purge(ctx, dead, older_than, yes):
     """Clear dead jobs into index.db (a deliberate act; compact never touches dead/)."""
+    if older_than < RECENT and not yes:
+        fail(f"--older-than {_given(ctx, 'older_than')} would purge jobs that died less than a day ago; "
+             "add --yes to do that", 2)
     result = _existing(ctx).purge_dead(older_than)
     echo(f"purged {result['purged']} dead jobs into index.db, left {result['left']}")
 
@@ -730,9 +788,23 @@ def config_get(ctx, key):
 @click.argument("value")
 @click.pass_context
 def config_set(ctx, key, value):
-    """Store a setting (validated)."""
-    stored = _existing(ctx).config_set(key, value)
-    echo(f"{key} = {json.dumps(stored)}")
+    """Store a setting (validated; repairs a config.json that does not parse)."""
+    spool = _existing(ctx)
+    stored = spool.config_set(key, value, on_dropped=_warn)
+    echo(f"{spool.setting_name(key)} = {json.dumps(stored)}")
+
+
+@config_group.command(name="unset")
+@click.argument("key")
+@click.pass_context
+def config_unset(ctx, key):
+    """Remove a setting: its default applies again (also repairs config.json)."""
+    spool = _existing(ctx)
+    held, key = spool.config_unset(key, on_dropped=_warn)
+    default = spool.config_default(key)
+    echo(f"unset {key}" if held else f"{key} was not set")
+    if default is not None:
+        echo(f"{key} = {json.dumps(default)} (the default)")
 
 
 @cli.command()
@@ -752,9 +824,9 @@ def bench(ctx, n, fsync, sections, true_jobs, scale_sizes, compare, as_json, kee
     bare-loop baselines. Runs in a scratch folder inside the spool, removed after."""
     from . import bench as benchmod  # imported here: start-up speed (only spoolq bench needs it)
 
-    spool = _spool(ctx)
+    spool = _existing(ctx)
     if fsync is None:
-        fsync = bool(spool.settings["fsync"]) if spool.dir.exists() else True
+        fsync = bool(spool.settings["fsync"])
     try:
         sizes = tuple(int(x) for x in scale_sizes.split(","))
     except ValueError:

@@ -1,7 +1,8 @@
 """Compaction and purge: finished files folded from their folders into the
 index. ``compact`` folds done/ (and drops old history, and stale tmp/
 files); ``purge_dead`` folds the dead/ files older than a cutoff, a
-deliberate act compaction never takes on its own.
+deliberate act compaction never takes on its own; ``retry_purged`` puts a
+purged dead job back into new/ from its row.
 
 Each file is locked, read with the checks every transition makes, its row
 committed, and only then removed (still locked): a crash at any point
@@ -13,13 +14,15 @@ from __future__ import annotations
 
 import base64
 import errno
+import os
 import time
-from typing import Any
+from typing import Any, Callable
 
-from . import procs, record
+from . import config, procs, record
+from .errors import Exists, InvalidJob, JobNotFound, NotPossible
 from .index import Index
-from .protocol import Busy, Gone, Held, NotRegular, SpoolDir, id_of, user_name
-from .transitions import Context, check
+from .protocol import Busy, Gone, Held, NotRegular, SpoolDir, file_name, id_of, user_name
+from .transitions import Context, check, locate
 
 FOLD_BATCH = 2000  # files a fold holds and commits at once, where the descriptor limit allows
 
@@ -143,3 +146,48 @@ def purge_dead(spool: SpoolDir, index: Index, settings: dict, older_than: float)
     folded, left = fold(spool, index, "dead", names, settings)
     return {"purged": folded, "left": left}
 
+
+
+def retry_purged(ctx: Context, index: Index, job_id: str, on_note: Callable[[str], None] | None = None) -> None:
+    """A dead job purged into the index back to new/, due now, with a fresh
+    round of attempts, from the record its row keeps (as ``retry`` does for
+    a file in dead/). Raises JobNotFound, or NotPossible saying why it
+    cannot go. Published first, then the row marked retried (see
+    Index.mark_retried): a crash in between leaves the job in new/ and its
+    old row, which listings leave out while the file is in a folder."""
+    stored = index.get(job_id)
+    if stored is None or stored.get("state") not in ("dead", "retried"):
+        if stored is not None:
+            raise NotPossible(f"job {job_id} has finished (done, compacted); only a dead job is retried")
+        raise JobNotFound(f"no job {job_id} in dead/")
+    ctx.spool.require_owner("retry a job purged into index.db")
+    where = locate(ctx, job_id)
+    if where is not None:
+        raise NotPossible(f"a job {job_id} is already in {where[0]}/; the purged one stays in index.db")
+    job = {k: v for k, v in stored.items() if k not in ("state", "compacted")}
+    if job.get("invalid"):
+        raise NotPossible(f"cannot retry {job_id}: it was purged from dead/ as no valid job ({job.get('error')}), "
+                          "so there is no job to run; index.db keeps what the file held (record.raw)")
+    try:
+        record.validate(job, job_id)
+    except InvalidJob as e:
+        raise NotPossible(f"cannot retry {job_id}: its record in index.db is no valid job ({e})") from None
+    problem = config.refusal(ctx.settings, job)
+    if problem:
+        raise NotPossible(f"cannot retry {job_id}: {problem}")
+    owner = job.get("run_as")
+    if not ctx.as_root and isinstance(owner, int) and owner not in (0, os.geteuid()):
+        raise NotPossible(f"cannot retry {job_id}: a root worker ran it as {user_name(owner)}, and a retry by "
+                          f"{user_name(os.geteuid())} would make it run as {user_name(os.geteuid())}; retry it as root")
+    record.clear_run_fields(job)
+    record.fresh_round(job)
+    try:
+        ctx.spool.publish(file_name(job_id), record.dumps(job))
+    except Exists:
+        raise NotPossible(f"new/{file_name(job_id)} already exists; the purged job stays in index.db") from None
+    try:
+        index.mark_retried(job_id)
+    except Exception as e:  # the job is in new/: that is the retry, whatever the index says
+        if on_note:
+            on_note(f"job {job_id} is back in new/, but index.db could not be updated ({e}); "
+                    "it still counts it among the purged jobs")

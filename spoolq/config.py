@@ -12,12 +12,14 @@ import errno
 import json
 import math
 import os
+import re
 import stat
 from typing import Any
 
 from .errors import ConfigError, SpoolError  # noqa: F401 - importable from here too
 from .owners import check_owner_file
 from .record import MAX_TIMEOUT, parse_duration
+from .words import did_you_mean
 
 DEFAULTS: dict[str, Any] = {
     "max_attempts": 5,
@@ -35,6 +37,7 @@ DEFAULTS: dict[str, Any] = {
     "root_handlers": False,
     "compact_after": 10000,
     "rescan_interval": 30,
+    "app": "",
 }
 
 HELP = {
@@ -53,7 +56,10 @@ HELP = {
     "root_handlers": "a root worker runs handler jobs that others enqueued (as root)",
     "compact_after": "fold done/ into index.db when it holds more files (0 = never)",
     "rescan_interval": "seconds between full rescans in watch mode",
+    "app": "the handlers every worker loads when --app is not given (MODULE:ATTR, or MODULE for MODULE:HANDLERS)",
 }
+
+_APP_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*(:[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*)?\Z")
 
 
 # Durations are capped at ten years, as a job's timeout is: a due time or a
@@ -164,13 +170,41 @@ def _kinds(key: str, value: Any) -> list[str]:
     return list(value)
 
 
+def _app(key: str, value: Any) -> str:
+    """A handler module as ``--app`` takes it: MODULE:ATTR, or MODULE alone
+    (its HANDLERS); empty for none. Checked for its form only: importing
+    it is the worker's, as the user the worker runs as."""
+    if not isinstance(value, str):
+        raise ConfigError(f"{key} must be MODULE:ATTR (like myapp.jobs:HANDLERS), not {value!r}")
+    value = value.strip()
+    if value and not _APP_RE.match(value):
+        raise ConfigError(f"{key} must be MODULE:ATTR (like myapp.jobs:HANDLERS), not {value!r}")
+    return value
+
+
+def unknown(key: str) -> str:
+    """The error for a setting spoolq does not know, with the one most
+    likely meant, or else all of them."""
+    hint = did_you_mean(key, DEFAULTS)
+    if hint:
+        return f"unknown setting {key!r}{hint}"
+    return f"unknown setting {key!r} (known: {', '.join(sorted(DEFAULTS))})"
+
+
+def setting_name(key: str) -> str:
+    """A setting's name as a command gives it: dashes count as underscores
+    (``max-attempts``); config.json itself spells them as they are."""
+    if key not in DEFAULTS and key.replace("-", "_") in DEFAULTS:
+        return key.replace("-", "_")
+    return key
+
+
 def check(key: str, value: Any, stored: bool = False) -> Any:
     """Validate one setting and return it in its stored type. ``stored``:
     read from config.json, where a duration beyond the cap (written before
     there was one) is taken as the cap rather than refused."""
     if key not in DEFAULTS:
-        known = ", ".join(sorted(DEFAULTS))
-        raise ConfigError(f"unknown setting {key!r} (known: {known})")
+        raise ConfigError(unknown(key))
     if key == "max_attempts":
         return _number(key, value, 1, integer=True)
     if key in ("output_limit", "compact_after"):
@@ -189,6 +223,8 @@ def check(key: str, value: Any, stored: bool = False) -> Any:
         return _kinds(key, value)
     if key == "trusted_users":
         return _users(key, value, stored)
+    if key == "app":
+        return _app(key, value)
     raise AssertionError(key)
 
 
@@ -247,6 +283,9 @@ def read_file(path: str) -> bytes:
         os.close(fd)
 
 
+REPAIR = "spoolq config set KEY VALUE writes a valid one, keeping the settings it can read"
+
+
 def load(root: str) -> dict[str, Any]:
     """The spool's settings: config.json over the defaults. A broken file is
     an error (a worker must not run with settings nobody chose)."""
@@ -263,14 +302,14 @@ def load(root: str) -> dict[str, Any]:
     try:
         stored = json.loads(raw or b"{}")
     except ValueError as e:
-        raise ConfigError(f"{path} is not valid JSON: {e}") from None
+        raise ConfigError(f"{path} is not valid JSON: {e} ({REPAIR})") from None
     if not isinstance(stored, dict):
-        raise ConfigError(f"{path} must hold a JSON object")
+        raise ConfigError(f"{path} must hold a JSON object ({REPAIR})")
     for key, value in stored.items():
         try:
             settings[key] = check(key, value, stored=True)
         except ConfigError as e:
-            raise ConfigError(f"{path}: {e}") from None
+            raise ConfigError(f"{path}: {e}; spoolq config unset {key} removes it") from None
     return settings
 
 
@@ -307,20 +346,33 @@ class Settings(dict):
             callback(self)
 
 
-def read_stored(root: str) -> dict[str, Any]:
-    """Only the settings written in config.json (no defaults)."""
+def read_stored(root: str) -> tuple[dict[str, Any], bytes, dict[str | None, str]]:
+    """Only the settings written in config.json (no defaults), for a change
+    of them: (every setting that could be read, the file's bytes, what
+    could not be: key (None: the whole file) -> why). A file that does not parse, unknown
+    keys and bad values are dropped, so that ``config set`` and ``config
+    unset`` can always write a valid file; a file that is not a regular
+    file of the spool's owner is still refused (ConfigError)."""
     path = os.path.join(root, "config.json")
     try:
         raw = read_file(path)
     except FileNotFoundError:
-        return {}
+        return {}, b"", {}
     try:
         stored = json.loads(raw or b"{}")
-    except ValueError as e:
-        raise ConfigError(f"{path} is not valid JSON: {e}") from None
+    except (ValueError, RecursionError) as e:
+        return {}, raw, {None: f"it is not valid JSON ({e})"}
     if not isinstance(stored, dict):
-        raise ConfigError(f"{path} must hold a JSON object")
-    return stored
+        return {}, raw, {None: "it is not a JSON object"}
+    kept, dropped = {}, {}
+    for key, value in stored.items():
+        try:
+            check(key, value, stored=True)
+        except ConfigError as e:
+            dropped[key] = f"{key} = {json.dumps(value)[:60]} ({e})"
+            continue
+        kept[key] = value
+    return kept, raw, dropped
 
 
 def dumps(stored: dict[str, Any]) -> bytes:

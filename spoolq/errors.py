@@ -25,6 +25,20 @@ class NotASpool(SpoolError):
         self.path = path
 
 
+class InsideSpool(SpoolError):
+    """The path given as a spool lies inside another spool (``-s spool/new``):
+    a spool made there would put folders where workers expect job files, and
+    reading it reads nothing a worker will ever run."""
+
+    def __init__(self, path: str, root: str, folder: str | None):
+        import shlex  # imported here: start-up speed (as in NotASpool)
+
+        where = f"the {folder}/ folder of the spool {root}" if folder else f"inside the spool {root}"
+        super().__init__(f"{path} is {where}, not a spool; did you mean -s {shlex.quote(root)}?")
+        self.path = path
+        self.root = root
+
+
 class PartlyEnqueued(SpoolError):
     """``enqueue_many`` failed after it had published some of its jobs
     (a full disk, a duplicate id met at the last step): ``ids`` are the
@@ -116,3 +130,8 @@ class JobFailed(AssertionError):
         detail = job.get("stderr") or ""
         super().__init__(f"job {job.get('id')} ({job.get('kind') or job.get('command') or job.get('argv')}) failed: "
                          f"{job.get('error')}\n{detail}".rstrip())
+
+
+class ForkServerGone(OSError):
+    """The worker's fork server has ended (killed from outside): no handler
+    job with a timeout can start in this worker any more."""

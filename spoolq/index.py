@@ -37,7 +37,7 @@ RUN_SECONDS_BUCKETS = (0.1, 0.5, 1, 5, 15, 60, 300, 900, 3600, 14400, 86400)
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
     id          TEXT PRIMARY KEY,  -- the job id
-    state       TEXT NOT NULL,     -- 'done', or 'dead' for jobs purged from dead/
+    state       TEXT NOT NULL,     -- 'done'; 'dead' for jobs purged from dead/; 'retried' for those retried since
     outcome     TEXT,              -- 'succeeded' | 'cancelled' (done), NULL (dead)
     kind        TEXT,              -- handler jobs
     command     TEXT,              -- shell jobs
@@ -518,15 +518,17 @@ class Index:
             if db.in_transaction:
                 db.execute("COMMIT")
 
-    def present(self, ids: Iterable[str]) -> set[str]:
-        """Those of ``ids`` that have a row."""
+    def present(self, ids: Iterable[str], state: str | None = None) -> set[str]:
+        """Those of ``ids`` that have a row (in ``state``, when given)."""
         wanted = {_sql(i): i for i in ids}
         keys = list(wanted)
         found: set[str] = set()
+        where = "" if state is None else " AND state = ?"
         for pos in range(0, len(keys), 500):
             chunk = keys[pos:pos + 500]
             found.update(wanted[row[0]] for row in self.db.execute(
-                f"SELECT id FROM jobs WHERE id IN ({', '.join('?' * len(chunk))})", chunk))
+                f"SELECT id FROM jobs WHERE id IN ({', '.join('?' * len(chunk))}){where}",
+                chunk + ([state] if state is not None else [])))
         return found
 
     def records(self, ids: Iterable[str]) -> dict[str, dict]:
@@ -540,6 +542,14 @@ class Index:
                     f"SELECT id, record FROM jobs WHERE id IN ({', '.join('?' * len(chunk))})", chunk):
                 found[wanted[key]] = json.loads(rec)
         return found
+
+    def ids_with_prefix(self, prefix: str, states: tuple[str, ...], limit: int) -> list[str]:
+        """Up to ``limit`` ids in ``states`` that begin with ``prefix`` (an
+        id's characters, all ASCII: a range of the primary key)."""
+        after = prefix[:-1] + chr(ord(prefix[-1]) + 1)
+        return [row[0] for row in self.db.execute(
+            f"SELECT id FROM jobs WHERE id >= ? AND id < ? AND state IN ({', '.join('?' * len(states))}) LIMIT ?",
+            (prefix, after, *states, limit))]
 
     def has(self, job_id: str) -> bool:
         return self.db.execute("SELECT 1 FROM jobs WHERE id = ?", (_sql(job_id),)).fetchone() is not None
@@ -560,19 +570,33 @@ class Index:
     def counters(self) -> dict[str, int]:
         return {name: value for name, value in self.db.execute("SELECT name, value FROM counters")}
 
-    def iter_done(self, since: float | None = None) -> Iterator[dict]:
-        """Compacted done jobs by finish time, each with ``_sort`` = (ns, name)
-        to merge with done/ files (whose sort key is (mtime ns, name))."""
+    def iter_finished(self, states: tuple[str, ...] = ("done",), since: float | None = None) -> Iterator[dict]:
+        """Compacted done jobs (and purged dead ones, for ``dead`` in
+        ``states``) by finish time, each with ``_sort`` = (ns, name) to merge
+        with the files of done/ and dead/ (whose sort key is (mtime ns, name))."""
         cursor = self.db.execute(
-            "SELECT record, finished_at, id FROM jobs WHERE state = 'done' AND finished_at >= ? ORDER BY finished_at, id",
-            (since if since is not None else -1.0,),
+            f"SELECT record, finished_at, id, state FROM jobs WHERE state IN ({', '.join('?' * len(states))}) "
+            "AND finished_at >= ? ORDER BY finished_at, id",
+            (*states, since if since is not None else -1.0),
         )
-        for rec, finished_at, job_id in cursor:
+        for rec, finished_at, job_id, state in cursor:
             job = json.loads(rec)
-            job["state"] = "done"
+            job["state"] = state
             job["compacted"] = True
             job["_sort"] = (int(finished_at * 1e9), file_name(job_id))
             yield job
+
+    @_disk_full_explained
+    def mark_retried(self, job_id: str) -> None:
+        """A purged dead job is back in new/ (``compact.retry_purged``): its
+        row stays, as ``retried``, until the job finishes again and its
+        later record replaces it (see add), so the runs it counted are not
+        counted twice; listings and stats leave it out meanwhile."""
+        db = self.writable()
+        with _immediate(db, self.path):
+            if db.execute("UPDATE jobs SET state = 'retried' WHERE id = ? AND state = 'dead'", (_sql(job_id),)).rowcount:
+                self._bump("rows_dead", -1)
+                self._bump("rows_retried", 1)
 
     # -- writing -----------------------------------------------------------
 
@@ -626,11 +650,13 @@ class Index:
         """Delete jobs (and their runs) that finished before ``cutoff``."""
         db = self.writable()
         n = {}
+        # A retried row stays until its job finishes again (see mark_retried).
         with _immediate(db, self.path):
             for state in ("done", "dead"):
                 n[state] = db.execute("SELECT COUNT(*) FROM jobs WHERE state = ? AND finished_at < ?", (state, cutoff)).fetchone()[0]
-            db.execute("DELETE FROM runs WHERE job_id IN (SELECT id FROM jobs WHERE finished_at < ?)", (cutoff,))
-            db.execute("DELETE FROM jobs WHERE finished_at < ?", (cutoff,))
+            db.execute("DELETE FROM runs WHERE job_id IN (SELECT id FROM jobs WHERE finished_at < ? AND state != 'retried')",
+                       (cutoff,))
+            db.execute("DELETE FROM jobs WHERE finished_at < ? AND state != 'retried'", (cutoff,))
             for state, count in n.items():
                 self._bump(f"rows_{state}", -count)
         return sum(n.values())
@@ -682,6 +708,8 @@ FROM g LEFT JOIN j ON j.grp = g.grp LEFT JOIN pct ON pct.grp = g.grp
 ORDER BY 2 DESC, 1
 """
 
+MIN_WINDOW = 60.0  # seconds: the shortest window a throughput is taken over
+
 STAT_FIELDS = ("target", "jobs", "succeeded", "failed_runs", "dead", "cancelled", "runs", "first_finish", "last_finish",
                "wait_p50", "wait_p95", "wait_max", "run_p50", "run_p95", "run_max")
 
@@ -692,9 +720,10 @@ def stats(index: Index, extra_jobs: list[tuple[dict, str, float]], since: float 
     An extra job the index holds already (compaction committed it, its
     file not yet removed) counts once, as the index's."""
     with index.snapshot():
-        folded = index.present([job.get("id") for job, _, _ in extra_jobs])
+        folded = {(job_id, state) for state in ("done", "dead")
+                  for job_id in index.present([job.get("id") for job, s, _ in extra_jobs if s == state], state)}
         if folded:
-            extra_jobs = [entry for entry in extra_jobs if entry[0].get("id") not in folded]
+            extra_jobs = [entry for entry in extra_jobs if (entry[0].get("id"), entry[1]) not in folded]
         return _stats(index, extra_jobs, since)
 
 
@@ -710,16 +739,26 @@ def _stats(index: Index, extra_jobs: list[tuple[dict, str, float]], since: float
                    [_sql_row(r) for j, _, _ in extra_jobs for r in run_rows(j)])
     db.execute("DROP VIEW IF EXISTS temp.all_jobs")
     db.execute("DROP VIEW IF EXISTS temp.all_runs")
-    db.execute("CREATE TEMP VIEW all_jobs AS SELECT * FROM main.jobs UNION ALL SELECT * FROM temp.extra_jobs")
-    db.execute("CREATE TEMP VIEW all_runs AS SELECT * FROM main.runs UNION ALL SELECT * FROM temp.extra_runs")
+    # A retried row is history of a job that waits again: its record (and
+    # its runs) count once the job has finished again, from its file.
+    db.execute("CREATE TEMP VIEW all_jobs AS SELECT * FROM main.jobs WHERE state != 'retried' "
+               "UNION ALL SELECT * FROM temp.extra_jobs")
+    db.execute("CREATE TEMP VIEW all_runs AS SELECT * FROM main.runs WHERE job_id NOT IN "
+               "(SELECT id FROM main.jobs WHERE state = 'retried') UNION ALL SELECT * FROM temp.extra_runs")
     params = {"since": since if since is not None else -1.0}
     groups = [dict(zip(STAT_FIELDS, row)) for row in db.execute(STATS_SQL.format(group="target"), params)]
     total_rows = [dict(zip(STAT_FIELDS, row)) for row in db.execute(STATS_SQL.format(group="'total'"), params)]
     total = total_rows[0] if total_rows else {**dict.fromkeys(STAT_FIELDS, 0), **dict.fromkeys(STAT_FIELDS[7:])}
+    # One window for every group: the --since period, else from the first
+    # finish counted to now; never under a minute, so that a burst of two
+    # jobs a millisecond apart is not "2000 jobs/s".
+    first = total.get("first_finish")
+    now = time.time()
+    start = since if since is not None else first
+    window = max(MIN_WINDOW, now - start) if start is not None else None
     for entry in groups + [total]:
-        first, last = entry.pop("first_finish"), entry.pop("last_finish")
-        window = (time.time() - since) if since is not None else ((last - first) if first is not None and last is not None else 0)
-        entry["throughput_per_s"] = round(entry["jobs"] / window, 3) if window and window > 0 else None
+        entry.pop("first_finish"), entry.pop("last_finish")
+        entry["throughput_per_s"] = round(entry["jobs"] / window, 3) if window and entry["jobs"] else None
         entry["group"] = entry.pop("target")
     total.pop("group", None)
     db.execute("DROP VIEW temp.all_jobs")

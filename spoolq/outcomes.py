@@ -13,7 +13,7 @@ from typing import Any
 
 from .errors import ForcedStop
 from .output import quoted, wants
-from .runner import Outcome
+from .runner import STOPPED_NOW, Outcome
 from .store import Claimed
 
 
@@ -29,7 +29,7 @@ class Recorder:
         commit, or at once), to be logged once durable."""
         job_id, attempt = claimed.job_id, claimed.attempt  # (finish counts the attempt into the job)
         reg = self.w.registration
-        if out.not_started and self._put_back(claimed):
+        if out.not_started and self._put_back(claimed, out):
             return
         try:
             if not out.ok:  # a failed run's record must be known as this run's (a success needs no telling)
@@ -58,11 +58,11 @@ class Recorder:
             return
         self.w.commit.moved(item)
 
-    def _put_back(self, claimed: Claimed) -> bool:
+    def _put_back(self, claimed: Claimed, out: Outcome) -> bool:
         """A job claimed but stopped before it began (a second stop signal
-        between the two) goes back where it came from, as it was: no run
-        happened, so none is counted. False if it cannot (then it is
-        finished as an interrupted run, as before)."""
+        between the two, or a worker that can no longer start it) goes back
+        where it came from, as it was: no run happened, so none is counted.
+        False if it cannot (then it is finished as a failed run)."""
         try:
             folder = self.w.store.unclaim(claimed)
         except Exception as e:
@@ -76,8 +76,8 @@ class Recorder:
             self.cannot_record(claimed.job_id, f"{type(e).__name__}: {e}", where, back=True)
             return True
         self.forget_run(claimed.job_id)
-        self.w.log.line(f"worker={self.w.wid} job={claimed.job_id} not started: the worker was told to stop now; "
-                        f"back in {folder}/", 1)
+        why = "the worker was told to stop now" if out.error == STOPPED_NOW else out.error
+        self.w.log.line(f"worker={self.w.wid} job={claimed.job_id} not started: {why}; back in {folder}/", 1)
         return True
 
     def cannot_record(self, job_id: str | None, why: str, where: str, back: bool = False) -> None:

@@ -16,9 +16,9 @@ import threading
 import time
 from typing import Any, NoReturn
 
-from .errors import ConfigError, DuplicateId, InvalidJob, NoSuchGroup, NotASpool, SpoolError
+from .errors import ConfigError, DuplicateId, InvalidJob, NoSuchGroup, NotASpool, NotPossible, SpoolError
 from .ids import id_problem
-from .protocol import refuse_non_directory
+from .protocol import refuse_inside_spool, refuse_non_directory
 from .record import rfc3339
 
 LOGGER = "spoolq"  # the logger whose records the worker's log lines are
@@ -137,7 +137,11 @@ def _blocked_by(path: str) -> str | None:
 
 
 def require_spool(spool) -> None:
-    """Exit 1 with a hint when the path holds no spool."""
+    """Exit 1 with a hint when the path holds no spool, or lies inside one."""
+    try:
+        refuse_inside_spool(spool.path)
+    except SpoolError as e:
+        fail(str(e), 1)
     if spool.dir.exists():
         return
     refuse_non_directory(spool.path)
@@ -166,6 +170,12 @@ def show(spool, job_id: str, as_json: bool) -> None:
     require_spool(spool)
     job = spool.get(job_id)  # also a file `list` shows under a name that is no valid id
     if job is None:
+        try:
+            whole = spool.resolve(job_id)  # the start of an id
+        except NotPossible as e:
+            fail(str(e), 1)
+        job = spool.get(whole) if whole != job_id else None
+    if job is None:
         refuse_bad_ids((job_id,))
         fail(f"no job {job_id} in this spool", 1)
     if as_json:
@@ -185,6 +195,22 @@ def show(spool, job_id: str, as_json: bool) -> None:
             echo(one_line(f"{key}: {value if isinstance(value, str) else dumps(value)}"))
     if job.get("abandoned"):
         echo(f"note: {ABANDONED}")
+    if job.get("moved_back_from"):
+        echo(f"note: {moved_back(job)}: error, exit_code, stdout and stderr are of its last run, before the move "
+             "(history has every run)")
+    if job.get("waits_for_handler"):
+        echo(one_line(f"note: {waits_for_handler(job)}; no worker of this spool has one (spoolq work --app "
+                      "MODULE:ATTR, or spoolq config set app MODULE)"))
+
+
+def moved_back(job: dict) -> str:
+    """What a job in new/ whose record says it was elsewhere is: moved back by hand."""
+    return f"moved back to new/ from {job.get('moved_back_from')}/ by hand; it waits for a fresh run"
+
+
+def waits_for_handler(job: dict) -> str:
+    """What a waiting handler job that no worker can run waits for."""
+    return f"waits for a worker with a handler for kind {job.get('kind')}"
 
 
 def syslog_priority(levelno: int) -> int:

@@ -28,7 +28,7 @@ from typing import Callable, Iterator, NamedTuple
 
 from . import linux, procs
 from .owners import check_owner_file, swappable, user_name, writable_by_others  # noqa: F401 - importable from here too
-from .errors import Busy, Exists, Gone, NoSuchGroup, NotASpool, NotRegular, SpoolError  # noqa: F401 - importable from here too
+from .errors import Busy, Exists, Gone, InsideSpool, NoSuchGroup, NotASpool, NotRegular, SpoolError  # noqa: F401 - importable from here too
 from .ids import (  # noqa: F401 - importable from here too
     REASON_PREFIX,
     STAGED_PREFIX,
@@ -270,7 +270,8 @@ class SpoolDir:
         """Create the layout (idempotent). With ``group``, a shared spool;
         an older shared spool is converted (see convert_files). Returns
         what it changed in an existing spool, a line each, for the caller
-        to report."""
+        to report. Never inside another spool (see refuse_inside_spool)."""
+        refuse_inside_spool(self.root)
         changed = make_layout(self.root, group)
         self._close_fds()
         self.open()
@@ -740,6 +741,10 @@ class SpoolDir:
             return
         paths = [self.path(f) if f else self.root for f in folders]
         error.filename = next((p for p in paths if not os.access(p, os.W_OK | os.X_OK)), paths[0])
+
+    def remove_file(self, folder: str, name: str) -> None:
+        """Remove ``folder/name`` if it is there."""
+        _unlink_quietly(self.fd(folder), name)
 
     def replace_file(self, folder: str | None, name: str, data: bytes, mode: int | None = None) -> None:
         """Atomically replace a small file (tmp + fsync + rename), with
@@ -1984,6 +1989,30 @@ def refuse_swappable_way(path: str) -> None:
     except OSError:
         pass
     _refuse_way(path, trusted)
+
+
+def is_layout(path: str) -> bool:
+    """Whether ``path`` holds a spool's folders (all of them: a Maildir,
+    with only tmp/ new/ cur/, is not a spool). workers/ and drop/ are not
+    asked for: an older spool may lack them. Only stat: a member of a
+    shared spool, who may not list every folder, is told it is in a spool."""
+    return all(os.path.isdir(os.path.join(path, folder)) for folder in ("new", "tmp") + STATES[1:])
+
+
+def refuse_inside_spool(path: str) -> None:
+    """InsideSpool when ``path`` lies inside a spool: in one of its folders,
+    or anywhere below its root but a dot-folder there (where ``spoolq
+    bench`` keeps its scratch spools). One stat per folder above ``path``
+    that is no spool."""
+    path = os.path.abspath(path)
+    below, parent = os.path.basename(path), os.path.dirname(path)
+    while below:
+        if not below.startswith(".") and is_layout(parent):
+            raise InsideSpool(path, parent, below if below in FOLDERS + (DROP,) else None)
+        up = os.path.dirname(parent)
+        if up == parent:
+            return
+        below, parent = f"{os.path.basename(parent)}/{below}", up
 
 
 def refuse_non_directory(path: str) -> None:

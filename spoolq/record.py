@@ -20,11 +20,14 @@ from typing import Any
 
 from .errors import Incomplete, InvalidJob  # noqa: F401 - importable from here too
 from .ids import id_problem
+from .words import did_you_mean
 
 MAX_EPOCH = 7258118400  # 2200-01-01T00:00:00Z: far later, mtimes in nanoseconds overflow 64 bits
 MAX_TIMEOUT = 10 * 365 * 86400  # ten years: beyond it select() and timers overflow
 
 TARGETS = ("command", "argv", "kind")
+# The fields a producer writes (see SPOOLQ_FIELDS for spoolq's own).
+PRODUCER_FIELDS = TARGETS + ("payload", "id", "max_attempts", "timeout", "run_at", "env", "cwd")
 
 
 # --------------------------------------------------------------------------
@@ -89,7 +92,12 @@ def parse_time(value: Any) -> float:
         raise ValueError("a time must be RFC 3339 or epoch seconds, not a boolean")
     if isinstance(value, (int, float)):
         if not 0 <= value <= MAX_EPOCH:  # also nan and inf; an int of any size (isfinite would overflow)
-            raise ValueError(f"{repr(value)[:40]} is not a valid epoch time (0 to {MAX_EPOCH})")
+            hint = ""
+            if MAX_EPOCH < value <= MAX_EPOCH * 1000:
+                seconds = int(value // 1000)
+                hint = (f"; it looks like milliseconds: epoch times are in seconds ({seconds} is "
+                        f"{rfc3339(seconds)[:19]}Z)")
+            raise ValueError(f"{repr(value)[:40]} is not a valid epoch time (0 to {MAX_EPOCH}){hint}")
         return float(value)
     if isinstance(value, str):
         text = value.strip()
@@ -98,7 +106,7 @@ def parse_time(value: Any) -> float:
         except ValueError:
             pass
         else:
-            return parse_time(number)
+            return parse_time(int(text) if text.isdigit() and len(text) < 40 else number)  # named as given: 1769850000000, not 1.76985e+12
         if not _RFC3339_RE.match(text):
             raise ValueError(f"{value!r} is not an RFC 3339 time with an offset (like 2026-01-31T09:00:00Z) or epoch seconds")
         text = text[:-1] + "+00:00" if text[-1] in "Zz" else text
@@ -126,6 +134,7 @@ def time_or_none(value: Any) -> float | None:
         return None
 
 
+BARE_NUMBER = re.compile(r"\d+(?:\.\d+)?")  # a duration without a unit (seconds)
 _DURATION_PART = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-z]*)")
 _UNITS = {"": 1, "s": 1, "sec": 1, "secs": 1, "second": 1, "seconds": 1,
           "m": 60, "min": 60, "mins": 60, "minute": 60, "minutes": 60,
@@ -165,14 +174,41 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and (isinstance(v, int) or math.isfinite(v))
 
 
-def _no_nul(text: str, what: str) -> None:
+def _text(text: str, what: str) -> None:
+    """What a job runs is text: no NUL (no C string holds it), and valid
+    UTF-8, as JSON is. A byte that is not UTF-8, which a shell's argument
+    may hold, becomes a lone surrogate in a Python string (\udcff) and can
+    be written in JSON as such an escape; refused in every such field, by
+    ``spoolq enqueue`` and the worker alike (and by contrib/spoolq-drop)."""
     if "\x00" in text:
         raise InvalidJob(f"{what} contains a NUL character")
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            c = ord(text[e.start])
+            what_char = f"the byte 0x{c - 0xDC00:02x}" if 0xDC80 <= c <= 0xDCFF else f"a lone surrogate U+{c:04X}"
+            raise InvalidJob(f"{what} is not valid UTF-8 ({what_char} at character {e.start})") from None
 
 
 def validate(job: dict, name_id: str | None = None) -> None:
-    """Raise InvalidJob with the reason if ``job`` can never run.
-    (``name_id``: the id of the file name, already checked by the caller.)"""
+    """Raise InvalidJob with the reason if ``job`` can never run, naming
+    each field it has that spoolq does not know, with the one most likely
+    meant (``cmd`` for ``command``): that is most often why. (``name_id``:
+    the id of the file name, already checked by the caller.) Unknown fields
+    in a job that can run are kept, and not a problem."""
+    try:
+        _validate(job, name_id)
+    except InvalidJob as e:
+        unknown = [f"unknown field {key[:40]!r}{did_you_mean(key, PRODUCER_FIELDS, quote=True)}"
+                   for key in job if key not in PRODUCER_FIELDS and key not in SPOOLQ_FIELDS]
+        if not unknown:
+            raise
+        more = f"; and {len(unknown) - 5} more unknown fields" if len(unknown) > 5 else ""
+        raise InvalidJob(f"{e}; {'; '.join(unknown[:5])}{more}") from None
+
+
+def _validate(job: dict, name_id: str | None) -> None:
     present = (job.get("command") is not None) + (job.get("argv") is not None) + (job.get("kind") is not None)
     if present != 1:
         targets = [f for f in TARGETS if job.get(f) is not None]
@@ -183,7 +219,7 @@ def validate(job: dict, name_id: str | None = None) -> None:
     if command is not None:
         if not isinstance(command, str) or not command.strip():
             raise InvalidJob("command must be a non-empty string")
-        _no_nul(command, "command")
+        _text(command, "command")
     argv = job.get("argv")
     if argv is not None:
         if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
@@ -191,7 +227,7 @@ def validate(job: dict, name_id: str | None = None) -> None:
         if not argv[0]:
             raise InvalidJob("argv[0] must not be empty")
         for a in argv:
-            _no_nul(a, "argv")
+            _text(a, "argv")
     kind = job.get("kind")
     if kind is not None and (not isinstance(kind, str) or not kind):
         raise InvalidJob("kind must be a non-empty string")
@@ -220,7 +256,7 @@ def validate(job: dict, name_id: str | None = None) -> None:
     if cwd is not None:
         if not isinstance(cwd, str) or not cwd:
             raise InvalidJob("cwd must be a non-empty string")
-        _no_nul(cwd, "cwd")
+        _text(cwd, "cwd")
     attempts = job.get("attempts")
     if attempts is not None and (not isinstance(attempts, int) or isinstance(attempts, bool) or attempts < 0):
         raise InvalidJob(f"attempts must be an integer >= 0, not {attempts!r}")
@@ -239,8 +275,8 @@ def _validate_env(env: Any) -> None:
             raise InvalidJob(f"env[{k!r}] must be a string, not {type(v).__name__}")
         if not k or "=" in k:
             raise InvalidJob(f"env name {k!r} is empty or contains '='")
-        _no_nul(k, "env")
-        _no_nul(v, "env")
+        _text(k, "env")
+        _text(v, "env")
 
 
 # Fields spoolq writes into a record as it runs the job (the rest are the

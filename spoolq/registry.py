@@ -9,6 +9,13 @@ dead worker's file to count the interrupted runs and kill what they left.
 
 The file is rewritten in place (no fsync: it only has to survive the death
 of its process; after a power cut every process is gone anyway).
+
+Beside the registrations, ``workers/.unhandled`` says which kinds of due
+handler jobs the last worker to finish a pass left waiting for want of a
+handler, and which kinds it had handlers for: what ``status``, ``list``
+and ``show`` tell of such jobs once that worker is gone. ``workers/.passed``
+lists those jobs (folder, name, due time, kind), so that the next worker
+passes them over without reading each one again.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ def make_worker_id() -> str:
 class Registration:
     """This worker's registration, kept current as jobs start and end."""
 
-    def __init__(self, spool: SpoolDir, worker_id: str | None = None):
+    def __init__(self, spool: SpoolDir, worker_id: str | None = None, kinds: list[str] | None = None):
         self.spool = spool
         self.worker_id = worker_id or make_worker_id()
         self.jobs: dict[str, dict[str, Any]] = {}
@@ -54,6 +61,7 @@ class Registration:
             "boot_id": procs.boot_id(),
             "proc_start": procs.start_time(pid),
             "started_at": rfc3339(),
+            "kinds": sorted(kinds or []),  # the handler kinds it runs
         }
 
     def open(self) -> None:
@@ -407,3 +415,86 @@ def _lists_any(spool: SpoolDir, name: str, job_ids: set[str]) -> bool:
     except (OSError, ValueError, AttributeError, NotRegular, RecursionError):
         return False
     return any(j in jobs for j in job_ids)
+
+
+UNHANDLED = ".unhandled"
+
+
+def read_unhandled(spool: SpoolDir) -> dict[str, Any] | None:
+    """``workers/.unhandled``: ``{"worker", "at", "kinds": [the kinds its
+    writer had handlers for], "waiting": {kind: due jobs left waiting}}``,
+    or None when there is none (or it is not what a worker writes)."""
+    try:
+        data, _ = spool.read("workers", UNHANDLED, 1 << 16)
+        note = json.loads(data)
+    except (OSError, ValueError, NotRegular, RecursionError):
+        return None
+    if not isinstance(note, dict) or not isinstance(note.get("kinds"), list) or not isinstance(note.get("waiting"), dict):
+        return None
+    if not all(isinstance(n, int) and not isinstance(n, bool) for n in note["waiting"].values()):
+        return None
+    return note
+
+
+def write_unhandled(spool: SpoolDir, worker_id: str, kinds: list[str], waiting: dict[str, int]) -> None:
+    """Say which due handler jobs this worker left waiting, by kind, unless
+    the note says so already (workers that see the same spool write nothing)."""
+    note = read_unhandled(spool)
+    if note is None and not waiting:
+        return
+    if note is not None and sorted(note["kinds"]) == sorted(kinds) and note["waiting"] == waiting:
+        return
+    data = {"worker": worker_id, "at": rfc3339(), "kinds": sorted(kinds), "waiting": dict(sorted(waiting.items()))}
+    spool.replace_file("workers", UNHANDLED, (json.dumps(data) + "\n").encode())
+
+
+def handled_kinds(spool: SpoolDir, workers: list[dict[str, Any]] | None = None) -> tuple[set[str], dict[str, Any] | None] | None:
+    """The kinds the spool's workers have handlers for, by their word (the
+    live workers' registrations and the last note), and the note; None
+    when no worker has said (none runs, and none ever left a note)."""
+    if workers is None:
+        workers = live_workers(spool)
+    note = read_unhandled(spool)
+    if note is None and not workers:
+        return None
+    kinds = {k for w in workers for k in (w.get("kinds") or []) if isinstance(k, str)}
+    if note is not None:
+        kinds.update(k for k in note["kinds"] if isinstance(k, str))
+    return kinds, note
+
+
+PASSED = ".passed"
+PASSED_MAX = 200_000  # entries kept: more are read again by the next worker
+
+
+def read_passed(spool: SpoolDir) -> dict[tuple[str, str, int], str]:
+    """``workers/.passed``: (folder, name, due time in ns) -> kind of the due
+    handler jobs the last worker to end left waiting for want of a handler
+    (empty when there is none, or it is not what a worker writes)."""
+    try:
+        data, _ = spool.read("workers", PASSED, 64 << 20)
+        passed = json.loads(data)
+    except (OSError, ValueError, NotRegular, RecursionError):
+        return {}
+    out: dict[tuple[str, str, int], str] = {}
+    if not isinstance(passed, dict):
+        return out
+    for kind, entries in passed.items():
+        if not isinstance(entries, list):
+            continue
+        for entry in entries:
+            if (isinstance(entry, list) and len(entry) == 3 and entry[0] in ("new", "failed")
+                    and isinstance(entry[1], str) and type(entry[2]) is int):
+                out[(entry[0], entry[1], entry[2])] = kind
+    return out
+
+
+def write_passed(spool: SpoolDir, passed: dict[tuple[str, str, int], str]) -> None:
+    """Replace ``workers/.passed`` (see read_passed); none when ``passed`` is empty."""
+    by_kind: dict[str, list] = {}
+    for (state, name, due_ns), kind in list(passed.items())[:PASSED_MAX]:
+        by_kind.setdefault(kind, []).append([state, name, due_ns])
+    if by_kind:
+        spool.replace_file("workers", PASSED, (json.dumps(by_kind, separators=(",", ":")) + "\n").encode())
+    else:
+        spool.remove_file("workers", PASSED)

@@ -10,8 +10,9 @@ leader is unreaped its pid, and so the group id, cannot be reused).
 
 Handler jobs (``kind``) call a Python function. Without a timeout they run
 in the worker itself (cheapest: a function call). With a timeout they run in
-a forked child that is killed when it runs over, because a thread stuck in a
-Python loop cannot be stopped any other way.
+a child process that is killed when it runs over, because a thread stuck in
+a Python loop cannot be stopped any other way; the worker's fork server
+(forkserver.py) forks it, not the worker, whose threads may hold locks.
 
 What a handler prints is its job's output, as a command's is, not the
 worker's (which is cron's mail or the journal). A forked handler's
@@ -43,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from . import linux, procs, record
-from .errors import Permanent  # noqa: F401 - importable from here too
+from .errors import ForkServerGone, Permanent  # noqa: F401 - Permanent: importable from here too
 
 PERMANENT_EXIT = 100
 STOPPED_NOW = "killed: the worker was told to stop now"  # the error of a run a forced stop ended or kept from starting
@@ -159,6 +160,12 @@ def _memfd(name: str) -> int:
         return fd
 
 
+def memfd(name: str) -> int:
+    """An empty anonymous memory file (close-on-exec), or a deleted
+    temporary file where there are none."""
+    return _memfd(name)
+
+
 def make_outputs() -> tuple[int, int]:
     """Two empty memory files for a job's stdout and stderr."""
     stdout_fd = _memfd("spoolq-stdout")
@@ -236,12 +243,19 @@ def default_cwd() -> str:
 
 # A command job's shell reads the command from the environment, which only
 # its own user and root may read, so ps shows no job's command to others.
-SHELL_COMMAND = 'eval "$SPOOLQ_COMMAND"'
+# The space keeps a command starting with "-" from being read as options of
+# eval (bash, as /bin/sh, would).
+SHELL_COMMAND = 'eval " $SPOOLQ_COMMAND"'
 # A job run as another user changes to its folder only as that user: the
 # shell that does it is started after the worker has dropped to the user's
 # groups and ids. A folder the user cannot enter ends the run for good
-# (PERMANENT_EXIT): no later attempt runs as anyone else.
-CANNOT_ENTER = ("spoolq: cannot enter ", " (missing, not a folder, or no permission)")
+# (PERMANENT_EXIT), with the reason a worker gives for a missing folder
+# when it starts a job itself: no later attempt runs as anyone else.
+CANNOT_ENTER = "spoolq: cannot start: its working directory "
+
+
+def _no_folder(cwd: str, why: str) -> str:
+    return f"cannot start: its working directory {cwd} {why}"
 
 
 def as_user(job: dict, user: Any, env: dict[str, str]) -> list[str]:
@@ -256,8 +270,14 @@ def as_user(job: dict, user: Any, env: dict[str, str]) -> list[str]:
     home = user.pw_dir or "/"
     if job.get("cwd"):
         env["SPOOLQ_CWD"] = os.path.join(home, job["cwd"])
-        said = shlex.quote(f"{CANNOT_ENTER[0]}%s as %s{CANNOT_ENTER[1]}\\n")
-        fail = f'{{ printf {said} "$SPOOLQ_CWD" {shlex.quote(user.pw_name)} >&2; exit {PERMANENT_EXIT}; }}'
+        # What the user sees of the folder, tested as the user: root never
+        # looks at it for a member.
+        name = shlex.quote(user.pw_name)
+        why = (f'if [ -d "$SPOOLQ_CWD" ]; then why="cannot be entered as "{name}; '
+               'elif [ -e "$SPOOLQ_CWD" ]; then why="is not a directory"; '
+               f'else why="does not exist or "{name}" cannot reach it"; fi; ')
+        said = shlex.quote(f"{CANNOT_ENTER}%s %s\\n")
+        fail = f'{{ {why}printf {said} "$SPOOLQ_CWD" "$why" >&2; exit {PERMANENT_EXIT}; }}'
     else:
         env["SPOOLQ_CWD"] = home
         fail = "cd /"
@@ -413,16 +433,20 @@ def _next_trim(wait: float, grown: int) -> float:
 
 def _supervise(pid: int, limits: Limits, handle: RunHandle, outputs: tuple[int, ...] = (), keep: int = 0,
                on_slow: tuple[float, Callable[[], None]] | None = None, started: float | None = None,
-               spin: float = 0.0) -> bool:
+               spin: float = 0.0, exit_fd: int | None = None) -> bool:
     """Wait for a child, enforcing the timeout (counted from ``started``,
     a monotonic time, else from now) on its process group and keeping its
     captured output bounded. Returns whether it timed out. The child is left
     for the caller to reap. Until ``spin`` seconds after ``started`` the
-    wait polls rather than sleeps (see _wait_exit)."""
-    try:
-        pidfd = os.pidfd_open(pid)
-    except (AttributeError, OSError):
-        pidfd = None
+    wait polls rather than sleeps (see _wait_exit). ``exit_fd``: a
+    descriptor that turns readable once the process has exited, for one
+    that is not this process's child (then ``spin`` must be 0)."""
+    pidfd = exit_fd
+    if exit_fd is None:
+        try:
+            pidfd = os.pidfd_open(pid)
+        except (AttributeError, OSError):
+            pidfd = None
     try:
         if started is None:
             started = time.monotonic()
@@ -462,7 +486,7 @@ def _supervise(pid: int, limits: Limits, handle: RunHandle, outputs: tuple[int, 
             _killpg(pid, signal.SIGKILL)
         return True
     finally:
-        if pidfd is not None:
+        if pidfd is not None and exit_fd is None:
             os.close(pidfd)
 
 
@@ -504,9 +528,10 @@ def run_process(job: dict, plan: RunPlan) -> Outcome:
     return _run(plan, _Exec(job, plan.env))
 
 
-def fork_handler(handler: Callable[[Any], Any] | None, job: dict, plan: RunPlan) -> Outcome:
-    """Run a handler job in a forked child, killed if it runs over its timeout."""
-    return _run(plan, _Fork(handler, job))
+def fork_handler(server: Any, job: dict, plan: RunPlan) -> Outcome:
+    """Run a handler job in a child process that ``server`` (a
+    forkserver.ForkServer) forks, killed if it runs over its timeout."""
+    return _run(plan, _Fork(server, job))
 
 
 def _run(plan: RunPlan, how: "_Exec | _Fork") -> Outcome:
@@ -544,8 +569,9 @@ def _run(plan: RunPlan, how: "_Exec | _Fork") -> Outcome:
                 handle.kill()
             elif handle.cancelled:
                 handle.send(signal.SIGTERM)
+            # (A handler's process is the fork server's child: its exit is told on exit_fd.)
             out.timed_out = _supervise(proc.pid, limits, handle, outputs, limits.output_limit, plan.on_slow,
-                                       started, plan.spin)
+                                       started, plan.spin, getattr(proc, "exit_fd", None))
         except BaseException:
             # Whatever went wrong here, leave nothing running behind us.
             _killpg(proc.pid, signal.SIGKILL)
@@ -617,6 +643,10 @@ class _Exec:
         except OSError as e:
             where = f": {e.filename}" if e.filename else ""
             out.error = f"cannot start: {e.strerror or e}{where}"
+            if e.filename == cwd and e.errno in (errno.ENOENT, errno.ENOTDIR):
+                # A directory that is not there does not come back by retrying.
+                out.permanent = True
+                out.error = _no_folder(cwd, "does not exist" if e.errno == errno.ENOENT else "is not a directory")
         except ValueError as e:  # e.g. an embedded NUL that slipped through
             out.error = f"cannot start: {e}"
         return None
@@ -650,77 +680,39 @@ class _Exec:
         if self.stderr is None:
             return None
         line = os.pread(self.stderr, 8192, 0).decode("utf-8", "replace").partition("\n")[0]
-        if line.startswith(CANNOT_ENTER[0]) and line.endswith(CANNOT_ENTER[1]):
-            return line.removeprefix("spoolq: ")
-        return None
+        return line.removeprefix("spoolq: ") if line.startswith(CANNOT_ENTER) else None
 
     def close(self) -> None:
         pass  # its payload file is among the run's files
 
 
 class _Fork:
-    """How a handler job with a timeout runs: in a forked child of the
-    worker, which writes what the handler did (error, traceback, result)
-    as JSON to a memory file the worker reads after reaping it."""
+    """How a handler job with a timeout runs: in a child process that the
+    worker's fork server (forkserver.py) forks, which writes what the
+    handler did (error, traceback, result) as JSON to a memory file the
+    worker reads once the child has exited."""
 
-    __slots__ = ("handler", "job", "result_fd")
+    __slots__ = ("server", "job", "result_fd")
 
-    def __init__(self, handler: Callable[[Any], Any] | None, job: dict):
-        self.handler = handler
+    def __init__(self, server: Any, job: dict):
+        self.server = server
         self.job = job
         self.result_fd: int | None = None
 
     def prepare(self, fds: list[int]) -> None:
-        linux.load_prctl()
         self.result_fd = _memfd("spoolq-result")
 
     def start(self, plan: RunPlan, outputs: tuple[int, int], out: Outcome) -> Any:
-        parent = os.getpid()
-        pid = os.fork()
-        if pid == 0:
-            self._child(parent, outputs, out.start, plan.limits)  # never returns
+        """The started process (see forkserver.Served), or None with why in ``out.error``."""
+        job = self.job
         try:
-            os.setpgid(pid, pid)  # also here, so killpg works however early we need it
-        except OSError:
-            pass
-        return _Spawned(pid)
-
-    def _child(self, parent: int, outputs: tuple[int, int], start: float, limits: Limits) -> None:
-        """In the child: run the handler, write the outcome, leave without cleanup."""
-        code = 0
-        try:
-            os.setpgid(0, 0)
-            die_with_parent()  # killed with the worker
-            if os.getppid() != parent:  # the worker died before prctl took hold
-                os._exit(1)
-            # The worker's signal handlers are not this process's business:
-            # a timeout's SIGTERM must end the handler, not "stop a worker".
-            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-                signal.signal(sig, signal.SIG_DFL)
-            # Its output is the job's, as a command's is. Fresh streams:
-            # the worker's may hold text it buffered but did not write yet.
-            os.dup2(outputs[0], 1)
-            os.dup2(outputs[1], 2)
-            # Line-buffered: what it printed before a timeout killed it is kept.
-            sys.stdout = open(1, "w", encoding="utf-8", errors="backslashreplace", closefd=False, buffering=1)
-            sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False, buffering=1)
-            child = Outcome(start=start)
-            try:
-                _call_into(child, self.handler, self.job, limits)
-            finally:
-                for stream in (sys.stdout, sys.stderr):
-                    try:
-                        stream.flush()
-                    except (OSError, ValueError, AttributeError):
-                        pass
-            report = {"error": child.error, "tb": child.stderr, "permanent": child.permanent}
-            if child.has_result:
-                report["result"] = child.result
-            os.pwrite(self.result_fd, json.dumps(report).encode(), 0)
-        except BaseException:
-            code = 1
-        finally:
-            os._exit(code)
+            return self.server.start(job.get("kind"), job.get("payload"), plan.limits.output_limit, outputs,
+                                     self.result_fd)
+        except ForkServerGone:
+            raise  # the worker's to handle: no later handler job can start either
+        except OSError as e:  # the fork failed (too many processes, no memory)
+            out.error = f"cannot start: {e.strerror or e}"
+        return None
 
     def finish(self, out: Outcome, code: int) -> str | None:
         """Take the child's report; the handler's traceback, if any, follows its stderr."""
@@ -745,6 +737,45 @@ class _Fork:
     def close(self) -> None:
         if self.result_fd is not None:
             os.close(self.result_fd)
+
+
+def run_forked_handler(handler: Callable[[Any], Any] | None, kind: str, payload: Any, output_limit: int,
+                       outputs: tuple[int, int], result_fd: int, parent: int) -> None:
+    """The body of a handler job's own process (forked by the fork server,
+    ``parent``): run the handler with its output going to ``outputs``, write
+    what it did to ``result_fd``, and leave without cleanup. Never returns."""
+    code = 0
+    try:
+        die_with_parent()  # killed with the server, which dies with the worker
+        if os.getppid() != parent:  # the server died before prctl took hold
+            os._exit(1)
+        # The server ignores these; a timeout's SIGTERM must end the handler.
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+            signal.signal(sig, signal.SIG_DFL)
+        # Its output is the job's, as a command's is. Fresh streams: the
+        # worker's may hold text it buffered but did not write yet.
+        os.dup2(outputs[0], 1)
+        os.dup2(outputs[1], 2)
+        # Line-buffered: what it printed before a timeout killed it is kept.
+        sys.stdout = open(1, "w", encoding="utf-8", errors="backslashreplace", closefd=False, buffering=1)
+        sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False, buffering=1)
+        child = Outcome(start=time.time())
+        try:
+            _call_into(child, handler, {"kind": kind, "payload": payload}, Limits(0, 0, output_limit))
+        finally:
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except (OSError, ValueError, AttributeError):
+                    pass
+        report = {"error": child.error, "tb": child.stderr, "permanent": child.permanent}
+        if child.has_result:
+            report["result"] = child.result
+        os.pwrite(result_fd, json.dumps(report).encode(), 0)
+    except BaseException:
+        code = 1
+    finally:
+        os._exit(code)
 
 
 def _describe_exception(e: BaseException, limit: int) -> tuple[str, str]:

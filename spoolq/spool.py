@@ -75,29 +75,87 @@ class Spool(Views, JobControl):
         self.dir.fsync = bool(settings["fsync"])
 
     def config_get(self, key: str) -> Any:
+        key = config.setting_name(key)
         if key not in config.DEFAULTS:
             config.check(key, None)  # raises the unknown-key error
         return self.settings[key]
 
-    def config_set(self, key: str, value: Any) -> Any:
-        """Validate and store one setting; returns the stored value."""
+    def config_set(self, key: str, value: Any, on_dropped: Callable[[str], None] | None = None) -> Any:
+        """Validate and store one setting; returns the stored value. A
+        config.json that does not parse, or holds unknown keys or bad
+        values, is repaired on the way: see _change_config."""
+        key = config.setting_name(key)
         checked = config.check(key, value)
+        self._change_config(lambda stored: stored.__setitem__(key, checked), on_dropped)
+        return checked
+
+    def config_unset(self, key: str, on_dropped: Callable[[str], None] | None = None) -> tuple[bool, str]:
+        """Remove one setting from config.json (its default applies again),
+        also one spoolq does not know; repairs the file as ``config_set``
+        does. Returns whether the file held it, and the name it went by
+        (``max-attempts`` is ``max_attempts`` unless the file has it so)."""
+        held = self._change_config(lambda stored: stored.pop(key, None), on_dropped, unset=key)
+        if not held and config.setting_name(key) != key:  # `max-attempts`, as a command spells it
+            key = config.setting_name(key)
+            held = self._change_config(lambda stored: stored.pop(key, None), on_dropped, unset=key)
+        if not held and key not in config.DEFAULTS:
+            config.check(key, None)  # raises the unknown-key error: a typo, not a setting to remove
+        return held, key
+
+    def _change_config(self, change: Callable[[dict[str, Any]], Any], on_dropped: Callable[[str], None] | None,
+                       unset: str | None = None) -> bool:
+        """Change config.json by ``change(stored settings)``. What of the
+        file cannot be read (it does not parse, an unknown key, a bad value)
+        is dropped and told to ``on_dropped``, the old file kept beside it
+        as config.json.bad, so that a setting can always be repaired."""
         try:
             self._open(create=True)
         except config.ConfigError:
-            # A bad value in config.json is what may be being repaired: open
-            # the folders without the settings (the file is then written
-            # with fsync, the default).
+            # A bad config.json is what may be being repaired: open the
+            # folders without the settings (the file is then written with
+            # fsync, the default).
             self.dir.open(create=True)
         self.dir.require_owner("change its settings")
-        stored = config.read_stored(self.path)
-        stored[key] = checked
-        self.dir.replace_file(None, "config.json", config.dumps(stored), self.dir.settings_mode)
+        stored, raw, dropped = config.read_stored(self.path)
+        # The key being unset goes anyway, known or not: no need to say so.
+        held = unset is not None and (unset in stored or dropped.pop(unset, None) is not None)
+        before = dict(stored)
+        change(stored)
+        if dropped:
+            # Only its owner reads the old file, whoever could read config.json.
+            self.dir.replace_file(None, "config.json.bad", raw, self.dir.file_mode)
+            if on_dropped:
+                for key, why in dropped.items():
+                    on_dropped(f"config.json: dropped {'the whole file: ' + why if key is None else why}")
+                on_dropped(f"config.json: the old file is kept as {os.path.join(self.path, 'config.json.bad')}")
+        # A set always writes, even a value the file has: the file, its
+        # owner and its mode are then the ones a set makes.
+        if unset is None or dropped or stored != before or held:
+            self.dir.replace_file(None, "config.json", config.dumps(stored), self.dir.settings_mode)
         self._settings.loaded = False  # read again when next needed
-        return checked
+        return held
+
+    def setting_name(self, key: str) -> str:
+        """A setting's name as a command may spell it, as config.json does."""
+        return config.setting_name(key)
+
+    def config_default(self, key: str) -> Any:
+        """A setting's default (None for a key spoolq does not know)."""
+        return config.DEFAULTS.get(key)
 
     def config_list(self) -> dict[str, Any]:
         return dict(self.settings)
+
+    def default_app(self) -> str | None:
+        """The handlers a worker loads when it is given none (the ``app``
+        setting), or None. A root worker takes it only from a config.json
+        root owns: importing a module runs its code, as root. So the user
+        who may not run workers here is refused before anything is
+        imported; root runs them only on a spool root owns, and the
+        config.json of that is root's (config.read_file refuses any other)."""
+        _require_runner(self.dir, "run workers on it", "work")
+        app = self.settings["app"]
+        return app or None
 
     def context(self):
         """The transition context (settings, trust, index look-ups)."""
@@ -132,9 +190,14 @@ class Spool(Views, JobControl):
             if problem:
                 raise InvalidJob(problem)
         cwd = fields.get("cwd")
-        if isinstance(cwd, str) and cwd and not os.path.isabs(cwd):
-            # Relative to the enqueuer's directory: a worker runs elsewhere.
-            fields["cwd"] = os.path.abspath(cwd)
+        if isinstance(cwd, str) and cwd and "\x00" not in cwd:
+            if not os.path.isabs(cwd):
+                # Relative to the enqueuer's directory: a worker runs elsewhere.
+                fields["cwd"] = os.path.abspath(cwd)
+            if fields.get("kind") is None and not os.path.isdir(fields["cwd"]):
+                # Caught now, not five retries later: a missing directory does not come back.
+                what = "is not a directory" if os.path.exists(fields["cwd"]) else "does not exist"
+                raise InvalidJob(f"cwd {fields['cwd']} {what}")
         run_at = fields.get("run_at")
         mtime_ns = None
         if run_at is not None:
@@ -338,8 +401,8 @@ class Spool(Views, JobControl):
             return False
 
     def retry(self, job_id: str, check: bool = False, on_note: Callable[[str], None] | None = None) -> bool:
-        """Move a dead job back to new/ with a fresh round of attempts
-        (``check`` and ``on_note`` as for ``cancel``)."""
+        """Move a dead job back to new/ with a fresh round of attempts, also
+        one purged into index.db (``check`` and ``on_note`` as for ``cancel``)."""
         from . import transitions  # imported here: start-up speed (as in context())
 
         self._open()
@@ -347,7 +410,15 @@ class Spool(Views, JobControl):
             if self.dir.member:
                 self._ask({"request": "retry", "id": job_id}, on_note, f"retry {job_id}")
             else:
-                transitions.retry(self.context(), job_id, on_note)
+                try:
+                    transitions.retry(self.context(), job_id, on_note)
+                except transitions.JobNotFound:
+                    index = self.index() if not id_problem(job_id) else None
+                    if index is None or not index.has(job_id):
+                        raise
+                    from .compact import retry_purged  # imported here: start-up speed (as the index)
+
+                    retry_purged(self.context(), index, job_id, on_note)
             return True
         except (transitions.JobNotFound, transitions.NotPossible):
             if check:
@@ -511,9 +582,11 @@ def load_app(spec: str) -> dict[str, Callable[[Any], Any]]:
     import importlib
     import sys
 
-    module_name, _, attr = spec.partition(":")
+    module_name, colon, attr = spec.partition(":")
+    if not colon:
+        attr = "HANDLERS"  # `--app myapp.jobs`: the module's HANDLERS
     if not module_name or not attr:
-        raise ValueError(f"--app must be MODULE:ATTR, not {spec!r}")
+        raise ValueError(f"--app must be MODULE:ATTR (or MODULE, for MODULE:HANDLERS), not {spec!r}")
     cwd = os.getcwd()
     unsafe = _writable_by_others(cwd)
     if unsafe is None:

@@ -19,7 +19,7 @@ from typing import Any, Callable, Protocol
 from . import recovery, transitions
 from .pickup import Pickup, PickupReport
 from .protocol import Entry, Scan
-from .registry import Registration
+from .registry import Registration, read_passed, write_passed, write_unhandled
 from .runner import Outcome
 from .waker import Waker
 from .watcher import make_waker
@@ -40,7 +40,10 @@ class Store(Protocol):
     durable: bool  # whether outcomes wait for a sync before they are logged (fsync on)
 
     def open(self) -> None: ...
-    def register(self) -> Registration: ...
+    def register(self, kinds: list[str]) -> Registration: ...
+    def note_unhandled(self, worker_id: str, kinds: list[str], waiting: dict[str, int]) -> None: ...
+    def passed_over(self) -> dict[tuple[str, str, int], str]: ...
+    def note_passed(self, passed: dict[tuple[str, str, int], str]) -> None: ...
     def waker(self, poll: float | None, log: Any) -> Waker: ...
     def recover(self) -> tuple[recovery.RecoveryReport, int]: ...
     def pickup(self, log: Callable[[str, int, Any], None]) -> PickupReport: ...
@@ -84,10 +87,24 @@ class DirStore:
     def open(self) -> None:
         self.dir.open(create=True)
 
-    def register(self) -> Registration:
-        registration = Registration(self.dir)
+    def register(self, kinds: list[str]) -> Registration:
+        """This worker's registration, saying which handler kinds it runs."""
+        registration = Registration(self.dir, kinds=kinds)
         registration.open()
         return registration
+
+    def note_unhandled(self, worker_id: str, kinds: list[str], waiting: dict[str, int]) -> None:
+        """Tell status, list and show which due handler jobs wait for a
+        worker with a handler (see registry.write_unhandled)."""
+        write_unhandled(self.dir, worker_id, kinds, waiting)
+
+    def passed_over(self) -> dict[tuple[str, str, int], str]:
+        """The due handler jobs the last worker left waiting for want of a
+        handler, by (folder, name, due time): their kinds."""
+        return read_passed(self.dir)
+
+    def note_passed(self, passed: dict[tuple[str, str, int], str]) -> None:
+        write_passed(self.dir, passed)
 
     def waker(self, poll: float | None, log: Any) -> Waker:
         """What wakes a watching worker when jobs arrive: the folder watcher (or polling)."""

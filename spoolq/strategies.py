@@ -24,6 +24,7 @@ from .store import Claimed
 
 COMPLETE_PER_JOB = 2  # synced jobs moved on beside each job's run (see Serial.beside_spawn)
 SPIN_RECOUNT_SECONDS = 1.0  # how often the live workers on the spool are counted again for polling
+FOREIGN_AHEAD = 64  # entries the look-ahead may pass over as handler jobs this worker cannot run
 
 
 class Serial:
@@ -160,12 +161,18 @@ class Serial:
         entries, pos = w.pass_left
         if self._ahead is not None or pos >= len(entries) or not w.may_claim():
             return
-        entry = entries[pos]
-        try:
-            ready = w.store.prepare(entry, time.time_ns(), w.on_quarantine, w.on_busy, w.on_later)
-        except Exception:
-            return  # the dispatcher will claim it the usual way and say what failed
-        self._ahead = (entry, ready)
+        # Handler jobs this worker cannot run are passed over (a few at a
+        # time), so that the next job it can run is the one prepared, and
+        # reading them costs no time of its own beside a running job.
+        for entry in entries[pos:pos + FOREIGN_AHEAD]:
+            try:
+                ready = w.prepare(entry)
+            except Exception:
+                return  # the dispatcher will claim it the usual way and say what failed
+            if ready is None and w.passed_over.known(entry):
+                continue
+            self._ahead = (entry, ready)
+            return
 
     def drop_ahead(self) -> None:
         """Let the prepared job go: only its lock, nothing was moved."""

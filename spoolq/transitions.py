@@ -680,8 +680,25 @@ def _rename_hint(ctx: Context, name: str) -> str:
         fresh = f"{base}-{n}"
     folder = os.path.join(ctx.spool.root, "dead")
     return (f"cannot retry {job_id!r}: {id_problem(job_id)}; give it a valid id, e.g. "
-            f"mv {shlex.quote(os.path.join(folder, name))} {shlex.quote(os.path.join(folder, file_name(fresh)))}, "
-            f"then retry {fresh}")
+            f"{mv_command(os.path.join(folder, name), os.path.join(folder, file_name(fresh)))}, then retry {fresh}")
+
+
+def mv_command(src: str, dst: str) -> str:
+    """An ``mv`` of ``src`` to ``dst`` as one line of printable ASCII that
+    pastes and works in sh and bash whatever bytes the names hold (a
+    newline, a byte that is not UTF-8, a quote): a name with others than
+    printable ASCII is spelt by printf's octal escapes, with an ``x`` after
+    it that keeps ``$(...)`` from eating a newline at its end."""
+    words = []
+    for i, path in enumerate((src, dst)):
+        raw = os.fsencode(path)
+        if all(32 <= b < 127 for b in raw):
+            words.append(shlex.quote(path))
+            continue
+        spelt = "".join(chr(b) if 32 <= b < 127 and chr(b) not in "'\\%" else f"\\{b:03o}" for b in raw)
+        words.append((f"f{i}=$(printf '{spelt}x') && ", f'"${{f{i}%x}}"'))
+    prefix = "".join(w[0] for w in words if isinstance(w, tuple))
+    return prefix + "mv " + " ".join(w[1] if isinstance(w, tuple) else w for w in words)
 
 
 def _retry_held(ctx: Context, held: Held, on_note: Callable[[str], None] | None) -> None:

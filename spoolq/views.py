@@ -12,9 +12,12 @@ import os
 from typing import Any, Callable, Iterator
 
 from . import record
-from .errors import InvalidJob, NotRegular
+from .errors import InvalidJob, NotPossible, NotRegular
 from .owners import user_name
 from .protocol import DROP, REPLY_SUFFIX, STATES, file_name, id_of, id_problem, listed_names
+
+
+PREFIX_SHOWN = 10  # candidates named when an id prefix is ambiguous
 
 
 class Views:
@@ -48,8 +51,14 @@ class Views:
                 job["error"] = reason
         if state == "done" and job.get("valid") is not False:
             job = record.as_done(job)
+        if state == "new" and job.get("state") in ("dead", "failed", "done", "cur"):
+            job["moved_back_from"] = job["state"]  # (`mv dead/x.json new/`): what it says of its runs is history
         if state == "cur" and self.dir.is_locked("cur", name) is False:
             job["abandoned"] = True  # its worker died: nobody holds it (see protocol's header)
+        if state in ("new", "failed") and isinstance(job.get("kind"), str) and job.get("valid") is not False:
+            handled = self._handled()
+            if handled is not None and job["kind"] not in handled:
+                job["waits_for_handler"] = True  # no worker of this spool has one (see registry.handled_kinds)
         job["state"] = state
         job["file"] = os.path.join(self.path, state, name)
         if st is not None:
@@ -76,6 +85,47 @@ class Views:
             job["note"] = (f"the record is readable by {owner}, the spool's owner, only; "
                            "it is shown whole once it is in the history (compacted into index.db)")
         return job
+
+    def _handled(self) -> set[str] | None:
+        """The handler kinds the spool's workers run, as they last said;
+        worked out once per command (None: no worker has said, or this
+        user is a member, who may not read workers/)."""
+        if self.dir.member:
+            return None
+        cached = getattr(self, "_handled_cache", False)
+        if cached is False:
+            from .registry import handled_kinds  # imported here: start-up speed (as in get())
+
+            said = handled_kinds(self.dir)
+            cached = self._handled_cache = said[0] if said is not None else None
+        return cached
+
+    def resolve(self, given: str, states: tuple[str, ...] = STATES,
+                finished: tuple[str, ...] = ("done", "dead")) -> str:
+        """The id ``given`` stands for: itself when a job has it (or it is
+        no valid id), else the one id in ``states`` (and, compacted, in the
+        index's ``finished``) that begins with it, as git takes a commit's.
+        NotPossible names the candidates when several begin with it; with
+        none, ``given`` is returned for the caller's own "no such job"."""
+        self._open()
+        if not given or id_problem(given) or self.dir.find((file_name(given), given)) is not None:
+            return given
+        index = self.index()
+        if index is not None and index.has(given):
+            return given
+        found: set[str] = set()
+        for state in states:
+            found.update(id_of(name) for name in self.dir.names(state)
+                         if name.startswith(given) and not id_problem(id_of(name)))
+        if index is not None and finished:
+            found.update(index.ids_with_prefix(given, finished, PREFIX_SHOWN + 1))
+        if len(found) == 1:
+            return found.pop()
+        if found:
+            shown = sorted(found)[:PREFIX_SHOWN]
+            more = ", ..." if len(found) > PREFIX_SHOWN else ""
+            raise NotPossible(f"{given} is the start of more than one job's id: {', '.join(shown)}{more} (give more of it)")
+        return given
 
     def get(self, job_id: str) -> dict[str, Any] | None:
         """The job's record as a dict with ``state`` set from where it is
@@ -132,7 +182,7 @@ class Views:
                 compacted, purged = index.count("done"), index.count("dead")
                 for state in ("dead", "done"):
                     if listed[state]:
-                        folded = index.present(listed[state])
+                        folded = index.present(listed[state], state)
                         listed[state] = [i for i in listed[state] if i not in folded]
         counts.update(dead=len(listed["dead"]), done=len(listed["done"]) + compacted, done_files=len(listed["done"]),
                       compacted=compacted, dead_purged=purged)
@@ -142,19 +192,34 @@ class Views:
             counts["dropped"] = sum(1 for name in self.dir.drops.names()
                                     if name[0] != "." and not name.endswith(REPLY_SUFFIX))
         counts["abandoned"] = sum(self.dir.is_locked("cur", name) is False for name in self.dir.names("cur"))
-        # Registrations are the owner's alone: a member sees no workers.
-        counts["workers"] = [] if self.dir.member else [
-            {k: w.get(k) for k in ("worker", "host", "pid", "started_at", "jobs")} for w in live_workers(self.dir, on_problem)
-        ]
+        # Registrations and the note of what waits are the owner's alone:
+        # a member sees no workers.
         if self.dir.member:
-            counts["workers_seen"] = False
+            counts["workers"], counts["workers_seen"], counts["unhandled"] = [], False, {}
+            return counts
+        workers = live_workers(self.dir, on_problem)
+        counts["workers"] = [{k: w.get(k) for k in ("worker", "host", "pid", "started_at", "jobs", "kinds")} for w in workers]
+        counts["unhandled"] = self._unhandled(workers, counts["new"] + counts["failed"])
         return counts
+
+    def _unhandled(self, workers: list[dict[str, Any]], waiting: int) -> dict[str, int]:
+        """Due handler jobs that wait for a worker with a handler for their
+        kind, by kind, as the last worker to finish a pass counted them
+        (kinds a live worker runs left out: it will take them)."""
+        from .registry import read_unhandled  # imported here: start-up speed (as in get())
+
+        note = read_unhandled(self.dir) if waiting else None
+        if note is None:
+            return {}
+        live = {k for w in workers for k in (w.get("kinds") or []) if isinstance(k, str)}
+        return {str(k): min(n, waiting) for k, n in note["waiting"].items() if k not in live and n > 0}
 
     def list(
         self, state: str | None = None, limit: int | None = None, since: float | None = None
     ) -> Iterator[dict[str, Any]]:
         """Records oldest first, by (due or finish time = file mtime, name).
-        ``state`` picks one folder; done includes compacted jobs."""
+        ``state`` picks one folder; done includes compacted jobs, dead the
+        ones purged into the index."""
         self._open()
         states = (state,) if state else STATES
         found = []
@@ -164,18 +229,28 @@ class Views:
                     continue
                 found.append((st.st_mtime_ns, name, st_name))
         found.sort()
-        index = self.index() if "done" in states else None
+        finished = tuple(s for s in ("done", "dead") if s in states)
+        index = self.index() if finished else None
         if index is None:
             yield from self._merged(found, iter(()), limit)
             return
         with index.snapshot():
-            # A done/ file whose row compaction has committed is listed
-            # once, from the index (see status).
-            done_ids = [id_of(name) for _, name, st_name in found if st_name == "done"]
-            folded = index.present(done_ids) if done_ids else set()
-            if folded:
-                found = [f for f in found if f[2] != "done" or id_of(f[1]) not in folded]
-            yield from self._merged(found, index.iter_done(since=since), limit, folded_later=self._folded_later)
+            # A done/ or dead/ file whose row compaction (or a purge) has
+            # committed is listed once, from the index (see status).
+            for st_ in finished:
+                ids = [id_of(name) for _, name, st_name in found if st_name == st_]
+                folded = index.present(ids, st_) if ids else set()
+                if folded:
+                    found = [f for f in found if f[2] != st_ or id_of(f[1]) not in folded]
+            rows = index.iter_finished(finished, since=since)
+            yield from self._merged(found, self._not_in_folders(rows), limit, folded_later=self._folded_later)
+
+    def _not_in_folders(self, rows: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        """The index's purged dead jobs but those back in a folder: a retry
+        of one that was killed before the index said so leaves both."""
+        for job in rows:
+            if job["state"] != "dead" or self.dir.find((file_name(job["id"]),), ("new", "cur", "failed", "done")) is None:
+                yield job
 
     def _folded_later(self, job_id: str) -> dict[str, Any] | None:
         """A job's compacted record, read past the snapshot a listing holds:
@@ -206,7 +281,7 @@ class Views:
             try:
                 job = self._read_record(st_name, name)
             except FileNotFoundError:
-                job = folded_later(id_of(name)) if folded_later is not None and st_name == "done" else None
+                job = folded_later(id_of(name)) if folded_later is not None and st_name in ("done", "dead") else None
                 if job is None:
                     continue
             yield job

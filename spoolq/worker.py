@@ -40,10 +40,11 @@ from typing import Any, Callable
 from . import config, linux, procs
 from .control import Listener
 from .commit import COMMIT_JOBS, COMMIT_SECONDS, GroupCommit
-from .errors import ForcedStop
+from .errors import ForcedStop, ForkServerGone
+from .forkserver import ForkServer
 from .outcomes import Recorder
 from .output import Log, as_log, field, log_what_waits, quoted  # noqa: F401 - Log, log_what_waits: importable from here too
-from .protocol import Entry
+from .protocol import Entry, id_of, id_problem
 from .registry import Registration
 from .runner import STOPPED_NOW, Limits, cancelled_error, Outcome, RunHandle, RunPlan, call_handler, fork_handler, inheritable_fds, run_process
 from .store import WRITER_GRACE, Claimed, Store
@@ -77,6 +78,13 @@ PROBE_CLAIMS = 64  # ... once an eighth of this many claims in a row waited for 
 RELAYED_SIGNALS = procs.RELAYED_SIGNALS  # stop, stop now: from the parent of a worker pool
 STOPPING = "no new jobs; running jobs finish (a second SIGTERM or SIGINT kills them)"
 STOPPING_NOW = "running jobs are killed and go back to failed/"
+
+
+def named(name: str) -> str:
+    """A file in a log line: ``job=ID`` when its name is an id's file (as
+    every line about a job names it), else ``file=NAME``."""
+    job_id = id_of(name)
+    return f"job={job_id}" if id_problem(job_id) is None else f"file={field(name)}"
 
 
 def _run_as(job: dict) -> Any:
@@ -178,6 +186,90 @@ class Tuning:
     scan_limit: int = SCAN_LIMIT
 
 
+class PassedOver:
+    """The due handler jobs a worker has no handler for, left waiting,
+    untouched, for a worker that has one: each is read once, then passed
+    over by its (folder, name, due time) without a read. A pass keeps the
+    ones it met for the next; any change of the file (a rewrite, ``touch
+    -d``) changes its due time, and it is read again. The store keeps them
+    from one worker to the next (``load``, ``save``): a worker a minute
+    from cron reads each such file once, not once a minute."""
+
+    def __init__(self) -> None:
+        self.now: dict[tuple[str, str, int], str] = {}  # this pass's, by key: their kind
+        self.before: dict[tuple[str, str, int], str] = {}  # the pass before's not met again yet
+        self.told: set[str] = set()  # the kinds logged already
+        self.loaded: dict[tuple[str, str, int], str] = {}  # what the last worker left
+
+    def load(self, store: Store, handlers: dict[str, Any]) -> None:
+        """Take what the last worker passed over, but the kinds this one runs."""
+        try:
+            self.loaded = store.passed_over()
+        except Exception:  # (only a cache: every file is read again)
+            self.loaded = {}
+        self.now.update((key, kind) for key, kind in self.loaded.items() if kind not in handlers)
+
+    def save(self, store: Store) -> None:
+        """Leave the ones met (or loaded and not yet met) to the next worker."""
+        passed = {**self.before, **self.now}
+        if passed != self.loaded:
+            try:
+                store.note_passed(passed)
+            except Exception:
+                pass  # the next worker reads them again
+
+    def __bool__(self) -> bool:
+        return bool(self.now or self.before)
+
+    def new_pass(self) -> None:
+        self.before, self.now = self.now, {}
+
+    def known(self, entry: Entry) -> bool:
+        key = (entry.state, entry.name, entry.due_ns)
+        kind = self.now.get(key) or self.before.pop(key, None)
+        if kind is None:
+            return False
+        self.now[key] = kind
+        return True
+
+    def unknown(self, entries: list[Entry]) -> list[Entry]:
+        """``entries`` but the ones known to be passed over (kept as met)."""
+        before, now = self.before, self.now
+        kept = []
+        for entry in entries:
+            key = (entry.state, entry.name, entry.due_ns)
+            kind = before.pop(key, None)
+            if kind is None:
+                kept.append(entry)
+            else:
+                now[key] = kind
+        return kept
+
+    def add(self, entry: Entry, kind: str) -> None:
+        self.now[(entry.state, entry.name, entry.due_ns)] = kind
+
+    def waiting(self) -> dict[str, int]:
+        """This pass's, counted by kind."""
+        counts: dict[str, int] = {}
+        for kind in self.now.values():
+            counts[kind] = counts.get(kind, 0) + 1
+        return counts
+
+    def tell(self, store: Store, log: Log, wid: str, kinds: list[str]) -> None:
+        """After a pass: log each kind left waiting (once per worker), and
+        leave the counts in the store for status, list and show."""
+        waiting = self.waiting()
+        for kind in sorted(set(waiting) - self.told):
+            self.told.add(kind)
+            log.line(f"worker={wid} kind={field(kind)} waiting={waiting[kind]} left waiting: this worker has no "
+                     "handler for that kind (spoolq work --app MODULE:ATTR, or spoolq config set app MODULE)", 1,
+                     logging.WARNING)
+        try:
+            store.note_unhandled(wid, kinds, waiting)
+        except Exception as e:  # only a note for status: never stop the worker for it
+            log.line(f"worker={wid} cannot write workers/.unhandled: {e}", 2)
+
+
 class Worker:
     """Runs jobs from one store until it is drained (or stopped, in watch mode)."""
 
@@ -233,6 +325,7 @@ class Worker:
         self.tuning = tuning or Tuning()
         self.ran = 0
         self.registration: Registration | None = None
+        self.forks: ForkServer | None = None  # while it runs with handlers: where their processes are forked
         self.failed_to_record = False
         self.stopping = False
         self.active = 0
@@ -264,6 +357,7 @@ class Worker:
         self._later_logged: set[tuple[str, int]] = set()
         self._pickup_more = False  # the last pickup left entries of drop/ for the next pass
         self._pickup_failures: set[str] = set()  # told once per run each (a full disk would fail every pass)
+        self.passed_over = PassedOver()  # handler jobs of kinds it has no handler for
         self._next_compact_ran = 0
         self._next_compact_time = 0.0
         self._default_limits: tuple[int, Limits] | None = None
@@ -389,6 +483,16 @@ class Worker:
 
     def run(self) -> int:
         """Recover, then run jobs; returns how many ran."""
+        # Before any thread of the worker's (the first is the registration's
+        # flusher) and before the worker holds any lock or file of the spool.
+        self.forks = ForkServer(self.handlers) if self.handlers else None
+        try:
+            return self._run()
+        finally:
+            if self.forks is not None:
+                self.forks.close()
+
+    def _run(self) -> int:
         store = self.store
         # The handlers come before the registration: once a worker can be
         # seen (a file in workers/), a stop or a reload must find them.
@@ -399,7 +503,8 @@ class Worker:
                     old_handlers[sig] = signal.signal(sig, self._on_signal)
         try:
             store.open()
-            self.registration = store.register()
+            self.registration = store.register(sorted(self.handlers))
+            self.passed_over.load(store, self.handlers)
             self.registration.start_flusher()
             self.listener = Listener(store.control(), self, self._control_line)
             self.listener.start()
@@ -443,6 +548,7 @@ class Worker:
                 self.waker.stop()
             for sig, old in old_handlers.items():
                 signal.signal(sig, old)
+            self.passed_over.save(store)
             store.close()
             self.strategy.close()
             self.registration.close()
@@ -529,6 +635,8 @@ class Worker:
         (or a moment, when another worker held a due file); False when a
         drain is over or the worker stops. Then compact if due."""
         self.strategy.idle()  # before pausing, compacting or scanning
+        if not first:
+            self.passed_over.tell(self.store, self.log, self.wid, sorted(self.handlers))
         if self.paused:
             self._wait_paused()
             return self.may_claim()  # resumed: look again at once
@@ -582,10 +690,26 @@ class Worker:
         # process. Looked up once a pass, not once a job.
         self._spawn_closes = inheritable_fds()
         self._pick_up()
+        self.passed_over.new_pass()
         scan = self.store.scan(time.time_ns(), self.tuning.scan_limit)
         self._next_due = scan.next_due_ns
         self.log.line(f"worker={self.wid} scan due={len(scan.due)}", 2)
-        return scan.due
+        return self.passed_over.unknown(scan.due) if self.passed_over.before else scan.due
+
+    def prepare(self, entry: Entry) -> Claimed | None:
+        """The store's prepare of a due entry (locked, read, validated), or
+        None; a handler job of a kind this worker has no handler for is let
+        go at once, before any attempt counts (see PassedOver)."""
+        if self.passed_over.known(entry):
+            return None
+        ready = self.store.prepare(entry, time.time_ns(), self.on_quarantine, self.on_busy, self.on_later)
+        if ready is not None:
+            kind = ready.job.get("kind")
+            if kind is not None and kind not in self.handlers:
+                self.store.release(ready)
+                self.passed_over.add(entry, kind)
+                return None
+        return ready
 
     def _pick_up(self) -> None:
         """Take in a batch of what members dropped (shared spools), before
@@ -610,14 +734,16 @@ class Worker:
         self.log.line(f"worker={self.wid} {text}", level, severity)
 
     def _claim(self, entry: Entry) -> Claimed | None:
+        if self.passed_over and self.passed_over.known(entry):
+            return None  # (the look-ahead may have passed over it to the next job)
         try:
             hit, claimed = self.strategy.claim_ahead(entry)  # prepared while the last job ran
             if not hit:
-                claimed = self.store.prepare(entry, time.time_ns(), self.on_quarantine, self.on_busy, self.on_later)
+                claimed = self.prepare(entry)
                 if claimed is not None:
                     claimed = self.store.take(claimed, time.time_ns(), self.on_quarantine)
         except Exception as e:  # a claim never takes the worker down; the file stays put
-            self.log.line(f"worker={self.wid} cannot claim {field(entry.state + '/' + entry.name)}: {type(e).__name__}: {e}", 0)
+            self.log.line(f"worker={self.wid} {named(entry.name)} cannot claim it from {entry.state}/: {type(e).__name__}: {e}", 0)
             return None
         return claimed
 
@@ -672,12 +798,12 @@ class Worker:
             self._later_logged.clear()
         self._later_logged.add((name, when_ns))
         wait = max(0.0, when_ns / 1e9 - time.time())
-        self.log.line(f"worker={self.wid} job={field(name)} not a whole job yet and changed less than "
+        self.log.line(f"worker={self.wid} {named(name)} not a whole job yet and changed less than "
                       f"{WRITER_GRACE:g}s ago: left in new/ for its writer to finish, looked at again "
                       f"in {wait:.1f}s (a file written in tmp/ and renamed into new/ never waits)", 1)
 
     def on_quarantine(self, name: str, reason: str) -> None:
-        self.log.line(f"worker={self.wid} job={field(name)} outcome=dead state=dead error={quoted(reason)}", 0)
+        self.log.line(f"worker={self.wid} {named(name)} outcome=dead state=dead error={quoted(reason)}", 0)
 
     # -- one job -----------------------------------------------------------
 
@@ -762,7 +888,14 @@ class Worker:
         plan = RunPlan(limits, handle, spawned, strategy.on_slow())
         kind = job.get("kind")
         if kind is not None:
-            return fork_handler(self.handlers.get(kind), job, plan)
+            if kind not in self.handlers:
+                return call_handler(None, job, limits, handle)  # (its error, without a process)
+            try:
+                return fork_handler(self.forks, job, plan)
+            except ForkServerGone as e:
+                self.recorder.cannot_record(None, f"{e.strerror}: no handler job with a timeout can start", "")
+                now = time.time()
+                return Outcome(start=now, end=now, error=e.strerror, not_started=True)
         try:
             plan.user = _run_as(job)
         except KeyError:  # the owner's password entry went away since the claim checked it

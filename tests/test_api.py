@@ -104,11 +104,10 @@ def test_results_exceptions_permanent_and_unknown_kinds(q):
     p = q.get(perm)
     assert p["state"] == "dead" and p["attempts"] == 1 and p["error"] == "Permanent: bad address"
     u = q.get(unknown)
-    assert u["state"] == "dead" and u["attempts"] == 2 and "no handler for kind" in u["error"]
+    assert u["state"] == "new" and u["attempts"] == 0 and u["waits_for_handler"] is True  # no attempt used
     w = q.get(weird)
     assert w["state"] == "dead" and "not JSON" in w["error"]
-    # A handler deployed later can still take the unknown kind.
-    assert q.retry(unknown)
+    # A handler deployed later takes the unknown kind.
     q.work(handlers={"nobody-handles-this": lambda p: "finally"})
     assert q.get(unknown)["result"] == "finally"
 
@@ -200,6 +199,29 @@ def test_a_forked_handler_that_crashes_is_a_failure(q):
     assert job["state"] == "dead" and "handler process died" in job["error"]
 
 
+def test_handlers_with_a_timeout_run_side_by_side_each_in_a_process_of_its_own(q, tmp_path):
+    """Work with three threads runs three handler jobs with a timeout at
+    once, each in its own process, with the handlers it was given (a
+    closure over this test's state): each waits until all three have
+    started, which they could not if they ran one after another."""
+    met = tmp_path / "met"
+    met.mkdir()
+    seen_by_closure = {"word": "closure"}
+
+    def meet(payload):
+        (met / str(os.getpid())).touch()
+        deadline = time.monotonic() + 60
+        while len(os.listdir(met)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return [seen_by_closure["word"], len(os.listdir(met)), os.getpid()]
+
+    ids = [q.enqueue(kind="meet", timeout=120, max_attempts=1) for _ in range(3)]
+    assert q.work(handlers={"meet": meet}, jobs=3) == 3
+    results = [q.get(job_id)["result"] for job_id in ids]
+    assert [r[:2] for r in results] == [["closure", 3]] * 3, results
+    assert len({r[2] for r in results} | {os.getpid()}) == 4
+
+
 def test_a_handler_that_calls_sys_exit_fails_its_job_not_the_worker(tmp_path):
     """Regression (audit): SystemExit from an in-process handler ended the
     worker silently (exit 3), leaving the job in cur/ and the rest unrun."""
@@ -239,7 +261,7 @@ def test_app_loading_errors_are_one_line(tmp_path):
     (tmp_path / "badhandler.py").write_text("HANDLERS = {'x': 5}\n")
     for spec, message in [("nomodule:X", "cannot import nomodule"), ("notmapping:HANDLERS", "must be a mapping"),
                           ("notmapping:MISSING", "has no attribute"), ("badhandler:HANDLERS", "not callable"),
-                          ("nocolon", "MODULE:ATTR")]:
+                          ("nocolon", "cannot import nocolon"), ("nocolon:", "MODULE:ATTR")]:
         proc = s.run("work", "--app", spec, cwd=str(tmp_path), check=False)
         assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, spec
 

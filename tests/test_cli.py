@@ -28,8 +28,9 @@ def test_init_creates_private_layout_and_is_idempotent(tmp_path):
     assert sorted(os.listdir(s.path)) == sorted(["tmp", "workers", *STATES])
 
 
-def test_enqueue_creates_the_spool_on_demand(tmp_path):
+def test_enqueue_writes_a_private_job_file(tmp_path):
     s = SpoolFixture(tmp_path / "fresh")
+    s.run("init")
     job_id = s.enqueue("true")
     assert s.ids("new") == [job_id]
     assert stat.S_IMODE(os.stat(s.path / "new" / f"{job_id}.json").st_mode) == 0o600
@@ -41,6 +42,7 @@ def test_spool_from_environment(tmp_path):
     from conftest import SPOOLQ
 
     env = dict(os.environ, SPOOLQ_DIR=str(tmp_path / "envspool"))
+    subprocess.run(SPOOLQ + ["init"], env=env, capture_output=True, check=True)
     out = subprocess.run(SPOOLQ + ["enqueue", "true"], env=env, capture_output=True, text=True, check=True)
     assert (tmp_path / "envspool" / "new" / f"{out.stdout.strip()}.json").exists()
 
@@ -500,16 +502,29 @@ def test_a_worker_started_with_stdout_and_stderr_closed_still_works(spool):
 
 
 @pytest.mark.skipif(shutil.which("strace") is None, reason="strace is not installed (apt-get install strace)")
+def _module_files_of_the_command(module: str) -> list[str]:
+    """The files the spoolq command opens to import ``module`` (its source
+    and its compiled form), asked of the command's interpreter started as
+    the command is: the script's folder first on its path, or this
+    directory for ``python -m``. Not this process's: run from a checkout
+    (``python -m pytest``), it imports the checkout's copy while the command
+    may run an installed one."""
+    where = os.path.dirname(SPOOLQ[0]) if len(SPOOLQ) == 1 else None
+    code = ("import importlib.util as u, sys\n"
+            "origin = u.find_spec(sys.argv[1]).origin\n"
+            "print(origin)\n"
+            "print(u.cache_from_source(origin))\n")
+    proc = subprocess.run([sys.executable, "-c", code, module], cwd=where, capture_output=True, text=True, check=True)
+    return proc.stdout.splitlines()
+
+
 def test_ctrl_c_while_the_command_starts_up_is_one_line(spool):
     """Audit: SIGINT in the first few hundred milliseconds, while Python
     imports the CLI, printed a KeyboardInterrupt traceback. strace sends it
-    as the command opens the CLI's compiled module."""
-    import importlib.util
-
-    import spoolq.cli
-
-    source = spoolq.cli.__file__  # whichever of it and its compiled form Python opens
-    proc = subprocess.run(["strace", "-qq", "-o", os.devnull, "-P", source, "-P", importlib.util.cache_from_source(source),
+    as the command opens the CLI's module (whichever of its source and its
+    compiled form Python opens)."""
+    source, compiled = _module_files_of_the_command("spoolq.cli")
+    proc = subprocess.run(["strace", "-qq", "-o", os.devnull, "-P", source, "-P", compiled,
                            "-e", "trace=openat", "-e",
                            "inject=openat:signal=INT:when=1", *SPOOLQ, "-s", str(spool.path), "status"],
                           capture_output=True, text=True, timeout=60)
@@ -527,7 +542,7 @@ def test_list_marks_cancelled_jobs_and_status_counts_purged_dead_ones(fast_spool
     s.work()
     lines = {line.split()[1]: line for line in s.run("list", "--state", "done").stdout.splitlines()}
     assert lines["called-off"].endswith("[cancelled]") and "[" not in lines["ran"]
-    s.run("purge", "--dead", "--older-than", "0")
+    s.run("purge", "--dead", "--older-than", "0", "--yes")
     dead_line = next(line for line in s.run("status").stdout.splitlines() if line.startswith("dead"))
     assert dead_line.split() == ["dead", "0", "(and", "1", "purged", "into", "index.db)"]
 

@@ -164,20 +164,6 @@ def test_commands_that_read_or_consume_refuse_a_path_that_is_not_a_spool(tmp_pat
         f"spoolq: {empty / 'spool'} is not a spool (create one with: spoolq -s '{empty / 'spool'}' init)\n")
 
 
-def test_enqueue_creates_a_missing_spool_and_says_so(tmp_path):
-    s = SpoolFixture(tmp_path / "fresh")
-    proc = s.run("enqueue", "true")
-    assert proc.stderr == f"spoolq: created a new spool at {s.path}\n" and s.ids("new") == [proc.stdout.strip()]
-    again = s.run("enqueue", "true")
-    assert again.stderr == ""
-    s = SpoolFixture(tmp_path / "from-jsonl")
-    proc = s.run("enqueue", "--jsonl", "-", input='{"command": "true"}\n{"argv": ["true"]}\n')
-    assert proc.stderr == f"spoolq: created a new spool at {s.path}\n" and len(s.ids("new")) == 2
-    s = SpoolFixture(tmp_path / "from-json")
-    proc = s.run("enqueue", "--json", '{"command": "true"}')
-    assert proc.stderr == f"spoolq: created a new spool at {s.path}\n" and len(s.ids("new")) == 1
-
-
 def test_the_api_raises_not_a_spool_when_reading_and_creates_when_writing(tmp_path):
     import pytest
 

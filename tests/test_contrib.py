@@ -40,6 +40,15 @@ def test_units_stop_jobs_gracefully():
 
 
 
+def test_the_on_demand_units_say_that_a_job_due_later_keeps_them_running():
+    """DirectoryNotEmpty= fires for a job due next week as for one due now,
+    so the drain service runs for as long as such a job waits: the units
+    say so where they are set up, and name the unit to run instead."""
+    for unit in ("spoolq-drain.path", "spoolq-drain.service"):
+        comments = " ".join(line.lstrip("# ") for line in (UNITS / unit).read_text().splitlines() if line.startswith("#"))
+        assert "spoolq-worker.service" in comments and "due" in comments, unit
+
+
 @pytest.mark.parametrize("unit", ["spoolq-worker.service", "spoolq-drain.service"])
 def test_service_units_bound_the_tasks_and_memory_of_their_jobs(unit):
     """Jobs run inside the unit: a fork bomb or a leak in one must meet a

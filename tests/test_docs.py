@@ -158,3 +158,20 @@ def test_man_pages_render_without_warnings():
         result = subprocess.run(["groff", "-ww", "-man", "-Tutf8", "-z", str(page)],
                                 capture_output=True, text=True, timeout=60)
         assert result.returncode == 0 and result.stderr == "", f"{page.name}: {result.stderr}"
+
+
+def test_the_man_pages_name_only_what_an_installed_system_has():
+    """A man page is read where spoolq is installed, not in its sources:
+    it names no file of the source tree (docs/..., contrib/...), and the
+    spoolq pages its SEE ALSO names are the ones pyproject.toml installs."""
+    import tomllib
+
+    data_files = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["data-files"]
+    installed = {(Path(f).stem, Path(f).suffix[1:]) for files in data_files.values() for f in files}
+    for page in (MAN1, MAN5):
+        text = page.read_text()
+        assert not re.search(r"(^|[\s(])(docs|contrib)/\S", text, re.M), f"{page.name} names a file of the sources"
+        see_also = text.split(".SH SEE ALSO", 1)[1].split(".SH ", 1)[0]
+        named = {(name.replace("\\-", "-"), section) for name, section in re.findall(r"^\.BR (\S+) \((\d)\)", see_also, re.M)}
+        assert named, f"{page.name} has no SEE ALSO"
+        assert {p for p in named if p[0].startswith("spoolq")} <= installed, (page.name, named, installed)

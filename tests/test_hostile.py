@@ -264,7 +264,7 @@ def test_records_sqlite_cannot_bind_never_stop_compact_stats_or_purge(fast_spool
     whose name is not UTF-8, made compact, stats and purge --dead fail for
     every job of the spool. Each is stored; the record keeps it exactly."""
     s = fast_spool
-    s.enqueue("--id", "surrogate", os.fsdecode(b"echo \xff"))
+    s.drop("surrogate.json", '{"command": "true", "note": "echo \\udcff"}')  # (a command may not hold one)
     s.drop("huge-attempts.json", '{"command": "true", "attempts": 9223372036854775807}')
     huge = "1" + "0" * 400  # an integer beyond a double: math.isfinite overflows on it
     s.drop("huge-created.json", '{"command": "true", "created_at": %s}' % huge)
@@ -281,10 +281,10 @@ def test_records_sqlite_cannot_bind_never_stop_compact_stats_or_purge(fast_spool
     assert s.where("huge-run-at") == ["dead"] and "run_at" in s.show("huge-run-at")["error"]
     assert json.loads(s.run("compact", "--json").stdout)["folded"] == 4
     assert s.names("done") == []
-    assert s.show("surrogate")["command"] == os.fsdecode(b"echo \xff") and s.show("surrogate")["compacted"] is True
+    assert s.show("surrogate")["note"] == os.fsdecode(b"echo \xff") and s.show("surrogate")["compacted"] is True
     assert s.show("huge-attempts")["attempts"] == 9223372036854775807 + 1
     assert json.loads(s.run("stats", "--json").stdout)["total"]["succeeded"] == 4
-    assert s.run("purge", "--dead", "--older-than", "0").stdout == "purged 3 dead jobs into index.db, left 0\n"
+    assert s.run("purge", "--dead", "--older-than", "0", "--yes").stdout == "purged 3 dead jobs into index.db, left 0\n"
     assert s.names("dead") == []
     kept = s.show("binary")
     assert base64.b64decode(kept["raw_base64"]) == binary and kept["error"] == "not UTF-8 (byte 2)"

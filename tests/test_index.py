@@ -286,7 +286,7 @@ def test_failed_runs_count_as_they_happen_wherever_the_job_is(fast_spool):
     s.run("compact")
     assert s.ids("done") == [] and s.ids("dead") == [failing]
     scrapes.append(_metrics(s))
-    s.run("purge", "--dead", "--older-than", "0s")
+    s.run("purge", "--dead", "--older-than", "0s", "--yes")
     assert s.ids("dead") == []
     scrapes.append(_metrics(s))
     assert runs(scrapes[-1]) == {"succeeded": 3, "failed": 4}
@@ -493,7 +493,7 @@ def test_a_job_left_behind_by_a_killed_purge_and_retried_replaces_its_row(fast_s
     s.work("-q")
     left = s.path / "dead" / "again.json"
     data, mtime = left.read_bytes(), os.stat(left).st_mtime_ns
-    s.run("purge", "--dead", "--older-than", "0")
+    s.run("purge", "--dead", "--older-than", "0", "--yes")
     left.write_bytes(data)  # as a purge killed after its commit leaves it: in dead/ and in the index
     os.utime(left, ns=(mtime, mtime))
     assert _rows(s) == [(job_id, "dead")] and s.status()["dead_purged"] == 1
@@ -516,7 +516,7 @@ def test_a_job_left_behind_by_a_killed_purge_and_retried_replaces_its_row(fast_s
     s.work("-q")
     left = s.path / "dead" / f"{other}.json"
     data, mtime = left.read_bytes(), os.stat(left).st_mtime_ns
-    s.run("purge", "--dead", "--older-than", "0")
+    s.run("purge", "--dead", "--older-than", "0", "--yes")
     left.write_bytes(data)
     os.utime(left, ns=(mtime, mtime))
     s.run("retry", other)

@@ -18,12 +18,12 @@ PACKAGE = ROOT / "spoolq"
 # module level or in a function alike); modules of one layer do not import
 # each other.
 LAYERS = [
-    ["errors", "ids", "linux"],  # leaves: import nothing from spoolq
+    ["errors", "ids", "linux", "words"],  # leaves: import nothing from spoolq
     ["owners", "procs", "record"],
     ["config", "protocol"],
     ["output", "waker", "control"],
     ["registry", "runner", "watcher", "dircontrol"],
-    ["index", "transitions"],
+    ["forkserver", "index", "transitions"],
     ["compact", "pickup", "recovery"],
     ["store"],  # the narrow storage interface the worker uses, and the directory's
     ["commit", "outcomes", "strategies"],  # group commit; recording outcomes; -j 1 and -j N

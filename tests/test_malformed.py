@@ -165,7 +165,7 @@ def test_a_purged_dead_file_keeps_the_reason_it_went_to_dead(fast_spool):
     _settled(s.drop("fixed.json", b'{"argv": "true"}'))
     s.work()
     (s.path / "dead" / "fixed.json").write_text('{"argv": ["true"]}')
-    assert s.run("purge", "--dead", "--older-than", "0").stdout.startswith("purged 1 ")
+    assert s.run("purge", "--dead", "--older-than", "0", "--yes").stdout.startswith("purged 1 ")
     shown = s.show("fixed")
     assert shown["state"] == "dead" and "argv must be a non-empty list" in shown["error"]
     assert os.listdir(s.path / "dead") == []
@@ -258,5 +258,5 @@ def test_a_drain_waits_out_the_grace_and_files_no_writer_can_finish_go_to_dead_a
                                               "big.json", "link.json"])
     assert s.names("new") == []
     waited = [line for line in proc.stderr.splitlines() if LEFT_FOR_WRITER in line]
-    assert len(waited) == 1 and "job=empty.json" in waited[0], proc.stderr
+    assert len(waited) == 1 and "job=empty " in waited[0], proc.stderr
     assert s.show("empty")["error"] == "empty file"

@@ -122,4 +122,4 @@ def test_a_file_name_cannot_forge_a_field_of_a_log_line(fast_spool):
         # key=value fields as a logfmt reader splits them: a quoted value is one value.
         fields = re.findall(r'(?:^|\s)([A-Za-z_]+)=("[^"]*"|[^\s"]*)', line)
         assert [key for key, _ in fields].count("outcome") == 1, line
-    assert any('job="x outcome=succeeded.json"' in line for line in lines), lines
+    assert any('file="x outcome=succeeded.json"' in line for line in lines), lines

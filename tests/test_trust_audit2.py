@@ -60,5 +60,6 @@ def test_a_spool_path_that_is_a_dangling_symlink_is_told_as_one(users):
     assert proc.stderr == f"spoolq: {home}/spool is a symlink to data/spool, which does not exist; " \
                           "create that folder first (mkdir), then run spoolq again\n"
     _ok(users.sh(users.out, "mkdir -p data/spool", cwd=str(home)))
+    _ok(users.spoolq(users.out, "init", cwd=str(home)))
     _ok(users.spoolq(users.out, "enqueue", "true", cwd=str(home)))
     assert (home / "data" / "spool" / "new").is_dir()

@@ -346,7 +346,7 @@ def test_loading_settings_merges_config_json_over_the_defaults(tmp_path):
     assert config.load(str(tmp_path)) == config.DEFAULTS
     (tmp_path / "config.json").write_text(json.dumps({"max_attempts": 2, "timeout": "5m", "fsync": "off"}))
     assert config.load(str(tmp_path)) == {**config.DEFAULTS, "max_attempts": 2, "timeout": 300, "fsync": False}
-    assert config.read_stored(str(tmp_path)) == {"max_attempts": 2, "timeout": "5m", "fsync": "off"}
+    assert config.read_stored(str(tmp_path))[0] == {"max_attempts": 2, "timeout": "5m", "fsync": "off"}
 
 
 @pytest.mark.parametrize("text, says", [

@@ -139,3 +139,77 @@ def test_what_a_handler_prints_is_its_jobs_output_not_the_workers(fast_spool, tm
     assert proc.stdout == ""
     for text in ("said", "warned", "before failing", "19999"):
         assert text not in proc.stderr, proc.stderr
+
+
+def test_handler_processes_start_while_another_thread_holds_an_import_lock(fast_spool, tmp_path):
+    """A handler job with a timeout runs in a process of its own. Forked
+    from the worker, which has threads, that process would get every lock
+    as it was at that instant: here a thread of the worker is in the middle
+    of importing a module (holding that module's import lock, for good), and
+    a child that imports the module too would wait for that lock until its
+    timeout killed it. The handler processes start without that lock held
+    (and the worker forks no process that has threads: Python 3.12 and
+    later would warn that it may deadlock)."""
+    s = fast_spool
+    importing, release = tmp_path / "importing", tmp_path / "release"
+    (tmp_path / "slowmod.py").write_text(
+        "import pathlib, threading, time\n"
+        "if threading.current_thread().name == 'importer':  # only the worker's thread is slow\n"
+        f"    pathlib.Path({str(importing)!r}).touch()\n"
+        f"    while not pathlib.Path({str(release)!r}).exists():\n"
+        "        time.sleep(0.05)\n"
+        "VALUE = 'imported'\n")
+    (tmp_path / "lockapp.py").write_text(
+        "import os, pathlib, threading, time\n"
+        "def hold(payload):  # in the worker (no timeout): a thread starts importing slowmod, and stays in it\n"
+        "    threading.Thread(target=lambda: __import__('slowmod'), name='importer', daemon=True).start()\n"
+        f"    while not pathlib.Path({str(importing)!r}).exists():\n"
+        "        time.sleep(0.01)\n"
+        "def use(payload):  # in a process of its own (a timeout)\n"
+        "    import slowmod\n"
+        "    return [slowmod.VALUE, os.getpid()]\n"
+        "HANDLERS = {'hold': hold, 'use': use}\n")
+    held = s.enqueue("--kind", "hold", "--max-attempts", "1")
+    uses = [s.enqueue("--kind", "use", "--in", "1s", "--timeout", "30", "--max-attempts", "1") for _ in range(3)]
+    try:
+        proc = s.run("work", "--app", "lockapp:HANDLERS", "--watch", "--max-time", "3", cwd=str(tmp_path),
+                     env={"PYTHONWARNINGS": "always::DeprecationWarning"}, timeout=180)
+    finally:
+        release.touch()
+    assert proc.returncode == 0, proc.stderr
+    assert s.show(held)["state"] == "done"
+    results = [s.show(job_id) for job_id in uses]
+    assert [(r["state"], (r.get("result") or [None])[0]) for r in results] == [("done", "imported")] * 3, \
+        [(r["state"], r.get("error")) for r in results]
+    assert len({r["result"][1] for r in results}) == 3  # each in a process of its own
+    assert "fork()" not in proc.stderr, proc.stderr
+
+
+def test_a_worker_whose_fork_server_was_killed_stops_and_loses_no_job(fast_spool, tmp_path):
+    """The process that handler jobs with a timeout are forked from is
+    killed from outside: the handler running in it dies with it (a failed
+    run), the next such job goes back to new/ without a run counted, and
+    the worker stops with exit status 1 and a line saying why, so that
+    whoever restarts it (systemd, cron) gets a worker that can run them."""
+    s = fast_spool
+    parent = tmp_path / "parent"
+    (tmp_path / "serverapp.py").write_text(
+        "import os, pathlib, time\n"
+        "def slow(payload):\n"
+        f"    pathlib.Path({str(parent)!r}).write_text(str(os.getppid()))\n"
+        "    time.sleep(600)\n"
+        "HANDLERS = {'slow': slow, 'quick': lambda payload: payload}\n")
+    slow = s.enqueue("--kind", "slow", "--timeout", "10m", "--max-attempts", "2")
+    later = s.enqueue("--kind", "quick", "--timeout", "10m", "--payload", "1")
+    worker = s.popen("work", "--app", "serverapp:HANDLERS", cwd=str(tmp_path), stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: parent.exists() and parent.read_text(), what="the handler to start")
+    server = int(parent.read_text())
+    assert server != worker.pid
+    os.kill(server, 9)
+    _, err = worker.communicate(timeout=60)
+    assert worker.returncode == 1, err
+    ran = s.show(slow)
+    assert ran["state"] == "failed" and ran["error"] == "the handler process died (signal 9)", ran
+    assert s.where(later) == ["new"] and not s.show(later).get("history"), s.show(later)
+    assert f"fork server (pid {server}) has ended" in err and "the worker stops claiming" in err, err
+    assert f"job={later} not started: the fork server (pid {server}) has ended; back in new/" in err, err

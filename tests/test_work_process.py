@@ -76,7 +76,8 @@ def test_a_missing_program_or_cwd_is_a_failure_not_a_crash(fast_spool, tmp_path)
     s = fast_spool
     s.config("max_attempts", 1)
     a = s.enqueue("--argv", "--", "/no/such/program")
-    b = s.enqueue("--cwd", str(tmp_path / "nowhere"), "true")
+    b = "nowhere"  # (enqueue refuses a cwd that is not there: dropped by hand)
+    s.drop("nowhere.json", json.dumps({"command": "true", "cwd": str(tmp_path / "nowhere")}))
     proc = s.work()
     assert "Traceback" not in proc.stderr
     assert "cannot start" in s.show(a)["error"] and "/no/such/program" in s.show(a)["error"]
