@@ -61,8 +61,8 @@ def wait_and_exit(spool, ids: list[str], timeout: float | None, exit_code: bool,
     if exit_code:
         job = jobs[ids[0]]
         code = job.get("exit_code")
-        raise SystemExit(code if isinstance(code, int) and 0 <= code < 256 and job.get("state") == "done"
-                         and job.get("outcome") != "cancelled" else (0 if succeeded(job) else 1))
+        own = isinstance(code, int) and 0 <= code < 256 and job.get("outcome") != "cancelled"
+        raise SystemExit(code if own else (0 if succeeded(job) else 1))
     raise SystemExit(0 if all(succeeded(j) for j in jobs.values()) else 1)
 
 

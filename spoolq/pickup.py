@@ -45,7 +45,7 @@ REPLY_KEEP = 600.0
 LEFT_RETRY = 60.0
 REQUEST_MAX = 4096
 _TOKEN = re.compile(r"[0-9a-f]{8,64}\Z")
-REQUESTS = ("cancel", "retry", "retry_all")
+REQUESTS = ("cancel", "retry", "retry_all", "kill")
 
 Log = Callable[[str, int, Any], None]  # (text, level, severity): a worker's Log.line
 
@@ -390,6 +390,8 @@ class Pickup:
                 problems: list[str] = []
                 ids = transitions.retry_all(ctx, problems.append, notes.append, requester=uid)
                 return {"ok": not problems, "ids": ids, "problems": problems, "notes": notes}
+            if kind == "kill":
+                return self._kill(request, uid)
             action = transitions.cancel if kind == "cancel" else transitions.retry
             action(ctx, request["id"], notes.append, requester=uid)
             return {"ok": True, "notes": notes}
@@ -399,6 +401,20 @@ class Pickup:
             return {"ok": False, "error": "not_possible", "message": str(e)}
         except OSError as e:
             return {"ok": False, "error": "not_possible", "message": f"the worker could not do it: {e.strerror or e}"}
+
+    def _kill(self, request: dict, uid: int) -> dict:
+        """A member's kill of its own running job: checked here, then handed
+        to the worker running it as the owner's own kill is."""
+        from .dircontrol import ControlDir  # imported here: start-up speed (as the pickup's users)
+
+        job_id = request["id"]
+        attempt = transitions.running_attempt(self.ctx, job_id, requester=uid)
+        sig = request.get("signal")
+        order = {"request": "kill", "id": job_id, "attempt": attempt, "by": user_name(uid)}
+        if isinstance(sig, int) and not isinstance(sig, bool) and 0 < sig < 65:
+            order["signal"] = sig
+        ControlDir(self.ctx.spool).send(order)
+        return {"ok": True, "attempt": attempt}
 
     # -- telling ---------------------------------------------------------------
 

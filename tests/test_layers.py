@@ -32,6 +32,7 @@ LAYERS = [
     ["views", "jobcontrol"],  # the read side of Spool: records, listings, counts; wait, kill, stop, pause
     ["spool"],  # the facade: Spool.work is the only way to run workers
     ["bench", "metrics", "testing"],
+    ["controlcli"],  # the job-control commands (wait, kill, stop, pause, resume)
     ["cli"],
     ["entry"],
     ["__init__", "__main__"],
