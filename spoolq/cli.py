@@ -492,7 +492,9 @@ def status(ctx, as_json, prometheus):
     if counts.get("workers_seen") is False:
         echo(f"{'workers':<8}{'-':>10}  (seen by the spool's owner only)")
         return
-    echo(f"{'workers':<8}{len(workers):>10}")
+    paused = counts.get("paused")
+    echo(f"{'workers':<8}{len(workers):>10}" + (f"  (paused by {paused.get('by')}: 'spoolq resume' lets them claim)"
+                                                 if paused else ""))
     for w in workers:
         running = ", ".join(w.get("jobs") or {}) or "idle"
         echo(one_line(f"  {w.get('worker')}  pid {w.get('pid')}  since {w.get('started_at')}  running: {running}"))

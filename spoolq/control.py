@@ -39,6 +39,7 @@ class Channel(Protocol):
     def paused(self) -> dict[str, Any] | None: ...
     def set_paused(self, info: dict[str, Any] | None) -> bool: ...
     def watch(self, *kinds: str) -> Any: ...
+    def answer(self) -> None: ...
 
 
 class Controlled(Protocol):
@@ -129,6 +130,7 @@ class Listener:
     def look(self) -> None:
         """Carry out every request for this worker or its runs."""
         channel, worker = self.channel, self.worker
+        channel.answer()  # members' requests (a shared spool), which may be kills of runs of ours
         info = channel.paused()
         worker.set_paused(info is not None)
         now = time.time()

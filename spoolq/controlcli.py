@@ -117,7 +117,7 @@ def kill_and_say(spool, job_id: str, number: int | None) -> None:
         echo(f"sent {signal_name(number)} to job {job_id}")
         return
     outcome, said = describe(job)
-    echo(f"cancelled {job_id}" if outcome == "cancelled" else f"{job_id} {outcome} {said}".rstrip())
+    echo(f"cancelled {job_id}" if outcome in ("cancelled", "finished") else f"{job_id} {outcome} {said}".rstrip())
 
 
 @click.command()

@@ -21,7 +21,7 @@ import json
 import os
 import stat
 import time
-from typing import Any
+from typing import Any, Callable
 
 from .linux import Inotify
 from .protocol import SpoolDir
@@ -44,9 +44,16 @@ CONTROL_EVENTS = Inotify.ARRIVALS | Inotify.DELETE | Inotify.MOVED_FROM
 class ControlDir:
     """The control folder of one open spool."""
 
-    def __init__(self, spool: SpoolDir):
+    def __init__(self, spool: SpoolDir, answer: Callable[[], Any] | None = None):
         self.spool = spool
         self._fd: int | None = None
+        # The owner's worker in a shared spool: carries out members' requests
+        # in drop/ (see Pickup.answer_requests), watched with control/.
+        self._answer = answer if spool.shared else None
+
+    def answer(self) -> None:
+        if self._answer is not None:
+            self._answer()
 
     def path(self, *parts: str) -> str:
         return os.path.join(self.spool.root, CONTROL, *parts)
@@ -202,6 +209,8 @@ class ControlDir:
                 if kind == "control":
                     self.fd()
                     ino.add(self.path(), CONTROL_EVENTS, CONTROL)
+                    if self._answer is not None:
+                        ino.add(os.path.join(self.spool.root, "drop"), Inotify.ARRIVALS, "drop")
                     continue
                 folders = {"finished": FINISHED, "states": STATES, "workers": WORKERS}[kind]
                 for folder, mask in folders:

@@ -32,7 +32,8 @@ def finished(job: dict[str, Any]) -> bool:
 
 
 def succeeded(job: dict[str, Any]) -> bool:
-    return job.get("state") == "done" and job.get("outcome", "succeeded") == "succeeded"
+    default = "finished" if job.get("readable") is False else "succeeded"
+    return job.get("state") == "done" and job.get("outcome", default) == "succeeded"
 
 
 class JobControl:
@@ -140,6 +141,7 @@ class JobControl:
         jobs (``now``: kill them, as a second signal does). With ``wait``
         (seconds; 0: for ever) return once they are gone, else at once.
         Returns the worker ids asked. Raises TimeoutError on ``wait``'s end."""
+        self._open()
         self.dir.require_owner("stop its workers")
         channel = self._channel()
         watch = channel.watch("workers") if wait is not None else None
@@ -176,11 +178,13 @@ class JobControl:
     def pause(self) -> bool:
         """Workers claim nothing until ``resume`` (they stay up; running jobs
         go on). False when it was paused already."""
+        self._open()
         self.dir.require_owner("pause it")
         return self._channel().set_paused({"by": user_name(os.geteuid()), "at": time.time()})
 
     def resume(self) -> bool:
         """Let the workers claim again. False when it was not paused."""
+        self._open()
         self.dir.require_owner("resume it")
         return self._channel().set_paused(None)
 
@@ -195,9 +199,12 @@ class JobControl:
 def describe(job: dict[str, Any]) -> tuple[str, str]:
     """A finished job's outcome word and what to say after it (exit code or error)."""
     state = job.get("state")
-    outcome = job.get("outcome") or ("dead" if state == "dead" else "succeeded")
     if state == "dead":
         outcome = "dead"
+    elif job.get("readable") is False:  # a member's view of the owner's record: the outcome is not its to read
+        outcome = job.get("outcome") or "finished"
+    else:
+        outcome = job.get("outcome") or "succeeded"
     code = job.get("exit_code")
     error = job.get("error") or _last(job, "error")
     said = f"exit={code}" if code is not None else ""

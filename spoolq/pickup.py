@@ -91,6 +91,23 @@ class Pickup:
             drops.unlock()
         return report
 
+    def answer_requests(self) -> PickupReport:
+        """Carry out and answer the members' requests alone, leaving their
+        jobs for the next pass: a worker whose dispatcher is busy running
+        jobs answers a member's kill while they run."""
+        report = PickupReport()
+        drops = self.ctx.spool.drops
+        if not drops.lock():
+            return report
+        try:
+            names = [n for n in drops.names() if n[0] != "." and n.endswith(REQUEST_SUFFIX)]
+            for name in names[:BATCH]:
+                if self._look(name) is not None:
+                    self._request(name, report)
+        finally:
+            drops.unlock()
+        return report
+
     def drain(self) -> PickupReport:
         """Passes until drop/ holds nothing more to take (``spoolq sweep``)."""
         total = PickupReport()

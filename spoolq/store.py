@@ -190,7 +190,14 @@ class DirStore:
         """The control channel's transport (see control.Channel)."""
         from .dircontrol import ControlDir  # imported here: start-up speed (as the watcher)
 
-        return ControlDir(self.dir)
+        answering: Pickup | None = None
+
+        def answer() -> None:
+            nonlocal answering
+            answering = answering or Pickup(self.ctx)
+            answering.answer_requests()
+
+        return ControlDir(self.dir, answer)
 
     def close(self) -> None:
         self.dir.drop_spares()
