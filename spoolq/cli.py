@@ -218,12 +218,10 @@ def init(ctx, group):
 @click.option("--at", "at", metavar="TIME", help="Run at this time (RFC 3339 or epoch seconds).")
 @click.option("--env", "env", multiple=True, metavar="K=V", help="Add to the job's environment (repeatable).")
 @click.option("--cwd", metavar="DIR", help="Working directory of the run (default: the current directory).")
-@click.option("--idle-timeout", callback=_duration, metavar="DURATION",
-              help="Stop a run that writes no output for this long (see $SPOOLQ_HEARTBEAT).")
 @click.option("--wait", "wait_", is_flag=True, help="Then wait for the job to finish (exit status as `spoolq wait`).")
 @click.pass_context
 def enqueue(ctx, args, use_argv, kind, payload, job_json, jsonl, job_id, max_attempts, timeout, delay, at, env, cwd,
-            idle_timeout, wait_):
+            wait_):
     """Enqueue a job and print its id.
 
     One argument is a shell command (run by /bin/sh); several are a
@@ -241,8 +239,6 @@ def enqueue(ctx, args, use_argv, kind, payload, job_json, jsonl, job_id, max_att
     args, use_argv, job_json = _command_form(args, use_argv, kind, job_json, jsonl)
     options = _job_options(ctx, payload, job_id, max_attempts, timeout, delay, at, env, cwd)
     spool = _existing(ctx)  # a mistyped path must not become a spool no worker reads
-    if idle_timeout is not None:
-        options["idle_timeout"] = idle_timeout
     if jsonl is not None:
         if job_id is not None:
             fail("--id cannot apply to many jobs; put an id in each line", 2)

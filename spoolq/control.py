@@ -99,7 +99,10 @@ class Listener:
                      "by signals", 0, logging.WARNING)
             return
         self._pipe = os.pipe2(os.O_CLOEXEC)
-        self.look()
+        try:
+            self.look()
+        except Exception as e:  # as in the loop: a bad request never keeps a worker from starting
+            self.log(f"control request failed: {type(e).__name__}: {e}", 0, logging.WARNING)
         self._thread = threading.Thread(target=self._loop, name="spoolq-control", daemon=True)
         self._thread.start()
 

@@ -23,6 +23,7 @@ import json
 import os
 import re
 import stat
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
@@ -46,6 +47,9 @@ LEFT_RETRY = 60.0
 REQUEST_MAX = 4096
 _TOKEN = re.compile(r"[0-9a-f]{8,64}\Z")
 REQUESTS = ("cancel", "retry", "retry_all", "kill")
+# drop/'s flock keeps other processes out, not this process's other threads
+# (a worker's control listener answers requests beside its dispatcher).
+_IN_PROCESS = threading.Lock()
 
 Log = Callable[[str, int, Any], None]  # (text, level, severity): a worker's Log.line
 
@@ -82,13 +86,14 @@ class Pickup:
         owner's side is picking up right now (it takes these too)."""
         report = PickupReport()
         drops = self.ctx.spool.drops
-        if not drops.lock():
-            return report
-        try:
-            chosen = self._choose(limit, report)
-            self._take(chosen, report)
-        finally:
-            drops.unlock()
+        with _IN_PROCESS:
+            if not drops.lock():
+                return report
+            try:
+                chosen = self._choose(limit, report)
+                self._take(chosen, report)
+            finally:
+                drops.unlock()
         return report
 
     def answer_requests(self) -> PickupReport:
@@ -97,15 +102,21 @@ class Pickup:
         jobs answers a member's kill while they run."""
         report = PickupReport()
         drops = self.ctx.spool.drops
-        if not drops.lock():
-            return report
-        try:
-            names = [n for n in drops.names() if n[0] != "." and n.endswith(REQUEST_SUFFIX)]
-            for name in names[:BATCH]:
-                if self._look(name) is not None:
-                    self._request(name, report)
-        finally:
-            drops.unlock()
+        with _IN_PROCESS:
+            if not drops.lock():
+                return report
+            try:
+                names = [n for n in drops.names() if n[0] != "." and n.endswith(REQUEST_SUFFIX)]
+                for name in names[:BATCH]:
+                    seen = self._look(name)
+                    if seen is None or not stat.S_ISREG(seen.mode):
+                        continue  # (the next pass moves it on)
+                    try:
+                        self._request(name, report)
+                    except OSError as e:
+                        self._stuck(name, seen, e)
+            finally:
+                drops.unlock()
         return report
 
     def drain(self) -> PickupReport:
