@@ -78,7 +78,11 @@ class Listener:
     """A worker's ear: a thread that sleeps on the channel's events and
     carries out what is asked of this worker or of a run it has."""
 
-    def __init__(self, channel: Channel, worker: Controlled, log: Callable[[str, int, Any], None]):
+    def __init__(self, channel: Channel, worker: Controlled, log: Callable[[str, int, Any], None],
+                 blocking: Callable[[], Any]):
+        """``blocking()``: a context in which a thread is started with the
+        worker's signals blocked (they must reach its main thread)."""
+        self._blocking = blocking
         self.channel = channel
         self.worker = worker
         self.log = log
@@ -104,7 +108,8 @@ class Listener:
         except Exception as e:  # as in the loop: a bad request never keeps a worker from starting
             self.log(f"control request failed: {type(e).__name__}: {e}", 0, logging.WARNING)
         self._thread = threading.Thread(target=self._loop, name="spoolq-control", daemon=True)
-        self._thread.start()
+        with self._blocking():
+            self._thread.start()
 
     def stop(self) -> None:
         if self._pipe is not None:

@@ -138,7 +138,8 @@ class RunHandle:
                 return
         timer = threading.Timer(grace, self.send, (signal.SIGKILL,))
         timer.daemon = True
-        timer.start()
+        with procs.signals_to_main_thread():  # a stop signal must reach the worker's main thread
+            timer.start()
 
 
 def _killpg(pgid: int, sig: int) -> None:

@@ -506,7 +506,7 @@ class Worker:
             self.registration = store.register(sorted(self.handlers))
             self.passed_over.load(store, self.handlers)
             self.registration.start_flusher()
-            self.listener = Listener(store.control(), self, self._control_line)
+            self.listener = Listener(store.control(), self, self._control_line, procs.signals_to_main_thread)
             self.listener.start()
         except BaseException:
             for sig, old in old_handlers.items():
