@@ -615,6 +615,7 @@ class Outcome:
     timed_out: bool = False
     interrupted: bool = False
     not_started: bool = False  # stopped before it began: no run to count (the job goes back as it was)
+    cancelled: str | None = None  # who cancelled the run while it ran (it ends for good, not retried)
     exit_request: Any = NO_RESULT  # the code of a sys.exit() in a handler (see call_handler)
 
     @property

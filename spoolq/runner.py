@@ -51,6 +51,11 @@ PERMANENT_EXIT = 100
 STOPPED_NOW = "killed: the worker was told to stop now"  # the error of a run a forced stop ended or kept from starting
 
 
+def cancelled_error(by: str | None) -> str:
+    """The error of a run cancelled while it ran."""
+    return f"cancelled by {by}"
+
+
 @dataclass(slots=True)
 class Limits:
     timeout: float  # seconds, 0 = none
@@ -69,6 +74,7 @@ class RunHandle:
     pid: int | None = None
     interrupted: bool = False
     inline: bool = False
+    cancelled: str | None = None  # who asked for the run to be cancelled (see cancel)
     # Re-entrant: kill() runs in a signal handler on the main thread, which
     # may have been interrupted while holding this lock.
     _lock: threading.RLock = field(default_factory=threading.RLock)
@@ -80,6 +86,31 @@ class RunHandle:
             self.interrupted = True
             if self.pid is not None and not self._reaped:
                 _killpg(self.pid, signal.SIGKILL)
+
+    def send(self, sig: int) -> bool:
+        """Send ``sig`` to the run's process group; False when it has no
+        process (yet, or any more). Only while the leader is unreaped, so
+        the group id is still this run's and cannot name anyone else's."""
+        with self._lock:
+            if self.pid is None or self._reaped:
+                return False
+            _killpg(self.pid, sig)
+            return True
+
+    def cancel(self, by: str, grace: float) -> None:
+        """End the run for good: SIGTERM to its process group, SIGKILL
+        after ``grace`` seconds if it still runs. A run that has no process
+        yet is kept from starting; an in-process handler is the caller's to
+        stop (it has no process to signal)."""
+        with self._lock:
+            if self.cancelled is None:
+                self.cancelled = by
+            if not self.send(signal.SIGTERM):
+                return
+        timer = threading.Timer(grace, self.send, (signal.SIGKILL,))
+        timer.daemon = True
+        with procs.signals_to_main_thread():  # a stop signal must reach the worker's main thread
+            timer.start()
 
 
 def _killpg(pgid: int, sig: int) -> None:
@@ -487,10 +518,11 @@ def _run(plan: RunPlan, how: "_Exec | _Fork") -> Outcome:
     started_up = False
     try:
         how.prepare(fds)
-        if handle.interrupted:  # told to stop before it started: do not start it
+        if handle.interrupted or handle.cancelled:  # told to stop before it started: do not start it
             out.end = time.time()
-            out.error = STOPPED_NOW
-            out.interrupted = out.not_started = True
+            out.error = STOPPED_NOW if handle.interrupted else cancelled_error(handle.cancelled)
+            out.interrupted = out.not_started = handle.interrupted
+            out.cancelled = handle.cancelled
             return out
         before = procs.boot_ticks()
         proc = how.start(plan, outputs, out)
@@ -507,6 +539,8 @@ def _run(plan: RunPlan, how: "_Exec | _Fork") -> Outcome:
                 pass  # the registration is a safety net; the run goes on without it
             if handle.interrupted:  # a kill arrived before the pid was known
                 handle.kill()
+            elif handle.cancelled:
+                handle.send(signal.SIGTERM)
             # (A handler's process is the fork server's child: its exit is told on exit_fd.)
             out.timed_out = _supervise(proc.pid, limits, handle, outputs, limits.output_limit, plan.on_slow,
                                        started, plan.spin, getattr(proc, "exit_fd", None))
@@ -516,14 +550,19 @@ def _run(plan: RunPlan, how: "_Exec | _Fork") -> Outcome:
             proc.wait()
             raise
         with handle._lock:
+            if handle.cancelled:  # nothing the run started outlives it
+                _killpg(proc.pid, signal.SIGKILL)
             handle._reaped = True  # before reaping: after it the group id may be reused
             code = proc.wait()
         out.end = time.time()
         out.interrupted = handle.interrupted
+        out.cancelled = handle.cancelled
         if out.timed_out:
             out.error = f"timed out after {limits.timeout:g}s"
         elif out.interrupted:
             out.error = STOPPED_NOW
+        elif out.cancelled:
+            out.error = cancelled_error(out.cancelled)
         more_stderr = how.finish(out, code)
         out.stdout = _tail(outputs[0], limits.output_limit)
         out.stderr = _tail(outputs[1], limits.output_limit)
@@ -587,7 +626,7 @@ class _Exec:
     def finish(self, out: Outcome, code: int) -> str | None:
         """Judge the exit ``code``; None: no more stderr than the job's own."""
         env = self.env
-        if (out.timed_out or out.interrupted) and env.get("SPOOLQ_WORKER"):
+        if (out.timed_out or out.interrupted or out.cancelled) and env.get("SPOOLQ_WORKER"):
             # Killed with its process group; what left the group (setsid) is
             # found by the variables that mark this run, as recovery would.
             procs.kill_marked([f"{k}={env[k]}" for k in ("SPOOLQ_WORKER", "SPOOLQ_JOB_ID", "SPOOLQ_ATTEMPT") if k in env])

@@ -413,8 +413,9 @@ def _duplicate_of(ctx: Context, job_id: str, entry: Entry) -> str | None:
 
 
 def decide(ctx: Context, job: dict, out: Outcome, attempt: int) -> str:
-    """Where a job goes after a run: done, failed or dead."""
-    if out.ok:
+    """Where a job goes after a run: done, failed or dead (a cancelled
+    run: done, never retried)."""
+    if out.ok or out.cancelled:
         return "done"
     if out.permanent:
         return "dead"
@@ -461,7 +462,7 @@ def finish(ctx: Context, claimed: Claimed, out: Outcome, worker_id: str, due_now
     dest = decide(ctx, job, out, attempt)
     due: float | None = None
     if dest == "done":
-        job["outcome"] = "succeeded"
+        job["outcome"] = "cancelled" if out.cancelled else "succeeded"
     if dest == "failed":
         if due_now or out.interrupted:
             due = now
@@ -636,6 +637,27 @@ def retry(ctx: Context, job_id: str, on_note: Callable[[str], None] | None = Non
         _retry_held(ctx, held, on_note)
     finally:
         held.release()
+
+
+def running_attempt(ctx: Context, job_id: str, requester: int | None = None) -> int:
+    """The run number of a job in cur/ (for a kill request, which names the
+    run it means). Raises JobNotFound, NotPossible when it is not running,
+    or NotYours when ``requester`` (a member's uid) did not enqueue it."""
+    if id_problem(job_id) or ctx.spool.find((file_name(job_id),), ("cur",)) is None:
+        if locate(ctx, job_id) is None and not ctx.index_has(job_id):
+            raise JobNotFound(f"no job {job_id} in this spool")
+        raise NotPossible(f"job {job_id} is not running; nothing to kill")
+    limit = int(ctx.settings["max_job_bytes"])
+    data, st = ctx.spool.read("cur", file_name(job_id), record.read_size(limit))
+    try:
+        job = record.parse_sized(data, job_id, limit)
+    except InvalidJob as e:
+        raise NotPossible(f"job {job_id} is not a valid job ({e})") from None
+    who = enqueuer(ctx, st, job) if st.st_uid in (ctx.spool.owner, 0) else st.st_uid
+    if requester is not None and who != requester:
+        raise NotYours(f"job {job_id} was enqueued by {user_name(who)}, not by {user_name(requester)}: "
+                       "a member may kill only its own jobs")
+    return int(job.get("attempts") or 0) + 1
 
 
 def _check_requester(ctx: Context, held: Held, job_id: str, requester: int | None, what: str) -> None:
