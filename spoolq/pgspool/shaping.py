@@ -33,6 +33,7 @@ class Interrupted:
     stderr: str | None = None
     permanent: bool = False
     interrupted: bool = True
+    cancelled: str | None = None
     ok: bool = False
     has_result: bool = False
     result: Any = None
@@ -46,8 +47,9 @@ def text(job: dict, limit: int | None = None) -> str:
 
 
 def decide(settings: dict, job: dict, out: Any, attempt: int) -> str:
-    """Where a job goes after a run: done, failed or dead."""
-    if out.ok:
+    """Where a job goes after a run: done, failed or dead (a cancelled
+    run: done, never retried)."""
+    if out.ok or out.cancelled:
         return "done"
     if out.permanent:
         return "dead"
@@ -81,7 +83,7 @@ def finished(settings: dict, job: dict, attempt: int, due: float, out: Any, work
     dest = decide(settings, job, out, attempt)
     delay: float | None = None
     if dest == "done":
-        job["outcome"] = "succeeded"
+        job["outcome"] = "cancelled" if out.cancelled else "succeeded"
     elif dest == "failed":
         delay = 0.0 if (due_now or out.interrupted) else config.backoff(settings, attempt, random.uniform(-0.1, 0.1))
     job["state"] = dest
