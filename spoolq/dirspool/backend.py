@@ -29,7 +29,7 @@ from ..errors import (
 )
 from ..output import blocked_by
 from ..owners import user_name
-from .protocol import DROP, STATES, SpoolDir, file_name, id_of, id_problem, refuse_inside_spool, refuse_non_directory
+from .protocol import DROP, STATES, SpoolDir, file_name, id_of, id_problem, refuse_inside_spool, refuse_non_directory, refuse_swappable_way
 from .reads import DirReads
 from .working import WorkerSide
 
@@ -201,6 +201,10 @@ class DirBackend(DirReads, WorkerSide):
         if self.dir.exists():
             return None
         refuse_non_directory(self.path)
+        try:
+            refuse_swappable_way(self.path)  # the real trouble, before "not a spool"
+        except SpoolError as e:
+            return str(e)
         if os.path.isdir(self.path) and not os.access(self.path, os.R_OK | os.X_OK):
             return f"permission denied: {self.path} (a shared spool: is this user in its group?)"
         if not os.path.isdir(self.path):

@@ -10,17 +10,22 @@ The moves are transitions.py's, the files and syncs protocol.py's.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from .. import procs
 from ..backend import Claim, CommitHooks, Finished, Look, Report
 from ..record import Outcome
 from ..waker import Waker
-from . import recovery, transitions
-from .commit import COMMIT_JOBS, GroupCommit
-from .passes import Pass
-from .registry import Registration
-from .watcher import make_waker
+
+if TYPE_CHECKING:
+    from . import transitions
+    from .commit import GroupCommit
+    from .passes import Pass
+    from .registry import Registration
+
+# The worker's modules (the moves, recovery, the passes, the watcher) are
+# imported where they are first needed: start-up speed of the commands that
+# run no worker (an enqueue, a status), which load this module too.
 
 SCAN_LIMIT = 200_000  # due entries kept per pass (see Pass; Tuning.scan_limit)
 COMPACT_CHECK_JOBS = 1000  # count done/ for auto-compaction after this many jobs ...
@@ -68,6 +73,8 @@ class WorkerSide:
         self.ctx = self.context()
         self._kinds = list(kinds)
         self._scan_limit = getattr(tuning, "scan_limit", SCAN_LIMIT)
+        from .registry import Registration
+
         registration = Registration(self.dir, kinds=self._kinds)
         registration.open()
         registration.start_flusher()
@@ -76,10 +83,14 @@ class WorkerSide:
 
     def waker(self, poll: float | None, log: Any) -> Waker:
         """What wakes a watching worker when jobs arrive: the folder watcher (or polling)."""
+        from .watcher import make_waker
+
         return make_waker(self.dir, poll=poll, log=log)
 
     def recover(self) -> Report:
         """Recover dead workers' jobs and remove stale tmp/ files."""
+        from . import recovery
+
         report = recovery.recover(self.ctx or self.context())
         report.tmp_removed = self.dir.remove_tmp()
         self.dir.remove_stale_spares()
@@ -90,6 +101,8 @@ class WorkerSide:
     def _walk(self) -> Pass:
         if self._pass is None:
             worker_id = self._reg.worker_id if self._reg is not None else "-"
+            from .passes import Pass
+
             self._pass = Pass(self.ctx, self._kinds, worker_id, self._scan_limit, self.log)
         return self._pass
 
@@ -115,6 +128,8 @@ class WorkerSide:
         claim.held.held.release()
 
     def unclaim(self, claim: Claim) -> str:
+        from . import transitions
+
         return transitions.unclaim(claim.held)
 
     def where(self, claim: Claim) -> str:
@@ -126,6 +141,8 @@ class WorkerSide:
         stage into, the job moves at once with its folders' sync deferred:
         pending either way until the commit."""
         defer = self.dir.fsync
+        from . import transitions  # (already loaded by the claim: a look-up in sys.modules)
+
         dest, due = transitions.finish(self.ctx, claim.held, outcome, worker_id, defer_sync=defer, stage=defer)
         self._finished += 1
         return Finished(dest, due, pending=defer, claim=claim)
@@ -134,6 +151,8 @@ class WorkerSide:
         # Each staged job holds two descriptors; a commit comes once a
         # sixteenth of the open-file limit are synced, or twice that staged,
         # so at most ~a quarter of the limit is theirs.
+        from .commit import COMMIT_JOBS, GroupCommit
+
         return GroupCommit(self, max(1, min(COMMIT_JOBS, procs.open_file_limit() // 16)), seconds, hooks)
 
     def commit(self, finished: list[Finished] | None = None) -> None:
@@ -173,6 +192,8 @@ class WorkerSide:
         self.dir.sync_data([claim.held.held.staged[1] for claim in staged])
 
     def complete(self, claim: Claim, dest: str, due: float | None) -> None:
+        from . import transitions
+
         transitions.complete(claim.held.held, dest, due)
 
     def drop_staged(self, claim: Claim) -> None:
