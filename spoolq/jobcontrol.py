@@ -73,9 +73,16 @@ class JobControl:
     def _look(self, ids: list[str], results: dict[str, dict[str, Any]], first: bool = False) -> None:
         for job_id in ids:
             job = self.get(job_id)
+            if job is None and not first:
+                job = self.get(job_id)  # (a second look: a job between two states is seen in one)
             if job is None:
                 if first:
                     raise JobNotFound(f"no job {job_id} in this spool")
+                # Known when the wait began, gone now: it finished and
+                # retention (compact --keep) dropped its history before it
+                # was read. Finished, but not known to have succeeded.
+                results[job_id] = {"id": job_id, "state": "done", "outcome": "finished", "readable": False,
+                                   "error": "its history was dropped before it was read"}
                 continue
             if finished(job):
                 results[job_id] = job
