@@ -207,14 +207,16 @@ def init(ctx, group):
 @click.option("--id", "job_id", help="The job id (default: a fresh, time-ordered one).")
 @click.option("--max-attempts", type=click.IntRange(min=1), help="Runs before the job goes to dead/.")
 @click.option("--timeout", callback=_duration, metavar="DURATION", help="Time before a run is killed (90, 5m, 1h30m).")
+@click.option("--idle-timeout", callback=_duration, metavar="DURATION",
+              help="Stop a run that writes no output for this long (10m).")
 @click.option("--in", "delay", callback=_duration, metavar="DURATION", help="Run after this delay (90, 5m, 2h, 7d).")
 @click.option("--at", "at", metavar="TIME", help="Run at this time (RFC 3339 or epoch seconds).")
 @click.option("--env", "env", multiple=True, metavar="K=V", help="Add to the job's environment (repeatable).")
 @click.option("--cwd", metavar="DIR", help="Working directory of the run (default: the current directory).")
 @click.option("--wait", "wait_", is_flag=True, help="Then wait for the job to finish (exit status as `spoolq wait`).")
 @click.pass_context
-def enqueue(ctx, args, use_argv, kind, payload, job_json, jsonl, job_id, max_attempts, timeout, delay, at, env, cwd,
-            wait_):
+def enqueue(ctx, args, use_argv, kind, payload, job_json, jsonl, job_id, max_attempts, timeout, idle_timeout, delay, at,
+            env, cwd, wait_):
     """Enqueue a job and print its id.
 
     One argument is a shell command (run by /bin/sh); several are a
@@ -231,6 +233,11 @@ def enqueue(ctx, args, use_argv, kind, payload, job_json, jsonl, job_id, max_att
     """
     args, use_argv, job_json = _command_form(args, use_argv, kind, job_json, jsonl)
     options = _job_options(ctx, payload, job_id, max_attempts, timeout, delay, at, env, cwd)
+    if idle_timeout is not None:
+        if idle_timeout > record.MAX_TIMEOUT:
+            fail(f"--idle-timeout {_given(ctx, 'idle_timeout')} is too long: it is at most {record.MAX_TIMEOUT} "
+                 "seconds (3650d)", 2)
+        options["idle_timeout"] = idle_timeout
     spool = _existing(ctx)  # a mistyped path must not become a spool no worker reads
     if jsonl is not None:
         if job_id is not None:

@@ -17,7 +17,6 @@ never by the sender.
 from __future__ import annotations
 
 import logging
-import os
 import select
 import signal
 import threading
@@ -40,6 +39,8 @@ class Channel(Protocol):
     def set_paused(self, info: dict[str, Any] | None) -> bool: ...
     def watch(self, *kinds: str) -> Any: ...
     def answer(self) -> None: ...
+    def release(self) -> None: ...
+    def interrupt(self) -> None: ...
 
 
 class Controlled(Protocol):
@@ -87,7 +88,9 @@ class Listener:
         self.worker = worker
         self.log = log
         self._watch: Any = None
-        self._pipe: tuple[int, int] | None = None
+        # Stopped by an event on the channel itself (see interrupt): no
+        # descriptor of its own, as a worker may run under a low open-file limit.
+        self._stopping = False
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         # Kill requests for runs this worker may start yet (sent as it claimed
@@ -102,38 +105,42 @@ class Listener:
             self.log(f"control requests unavailable ({e}): stop, pause and kill reach this worker only "
                      "by signals", 0, logging.WARNING)
             return
-        self._pipe = os.pipe2(os.O_CLOEXEC)
         try:
             self.look()
         except Exception as e:  # as in the loop: a bad request never keeps a worker from starting
             self.log(f"control request failed: {type(e).__name__}: {e}", 0, logging.WARNING)
+        self.channel.release()
         self._thread = threading.Thread(target=self._loop, name="spoolq-control", daemon=True)
         with self._blocking():
             self._thread.start()
 
     def stop(self) -> None:
-        if self._pipe is not None:
-            os.write(self._pipe[1], b"x")
-            if self._thread is not None:
-                self._thread.join(5)
-            for fd in self._pipe:
-                os.close(fd)
-            self._pipe = None
+        self._stopping = True
+        if self._thread is not None:
+            try:
+                self.channel.interrupt()
+            except Exception as e:  # (then the thread ends with the process)
+                self.log(f"cannot stop the control listener: {type(e).__name__}: {e}", 1, None)
+            self._thread.join(5)
+            if self._thread.is_alive():
+                return  # still in select() on the watch: left to end with the process
+            self._thread = None
         if self._watch is not None:
             self._watch.close()
             self._watch = None
 
     def _loop(self) -> None:
-        watch, stop = self._watch, self._pipe[0]
-        while True:
-            ready, _, _ = select.select([watch.fileno(), stop], [], [])
-            if stop in ready:
+        watch = self._watch
+        while not self._stopping:
+            select.select([watch.fileno()], [], [])
+            if self._stopping:
                 return
             watch.read(0)
             try:
                 self.look()
             except Exception as e:  # a bad request must not end the worker's ear
                 self.log(f"control request failed: {type(e).__name__}: {e}", 0, logging.WARNING)
+            self.channel.release()
 
     def look(self) -> None:
         """Carry out every request for this worker or its runs."""

@@ -28,7 +28,7 @@ MAX_TIMEOUT = 10 * 365 * 86400  # ten years: beyond it select() and timers overf
 
 TARGETS = ("command", "argv", "kind")
 # The fields a producer writes (see SPOOLQ_FIELDS for spoolq's own).
-PRODUCER_FIELDS = TARGETS + ("payload", "id", "max_attempts", "timeout", "run_at", "env", "cwd")
+PRODUCER_FIELDS = TARGETS + ("payload", "id", "max_attempts", "timeout", "idle_timeout", "run_at", "env", "cwd")
 
 
 # --------------------------------------------------------------------------
@@ -166,6 +166,19 @@ def parse_duration(text: Any) -> float:
     return total
 
 
+def duration_text(seconds: float) -> str:
+    """Seconds as a duration people write: ``90s``, ``10m``, ``1h30m``."""
+    left = int(round(seconds))
+    if left < 60 or seconds != left:
+        return f"{seconds:g}s"
+    parts = []
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
+        if left >= size:
+            parts.append(f"{left // size}{unit}")
+            left %= size
+    return "".join(parts)
+
+
 # --------------------------------------------------------------------------
 # validation
 
@@ -242,9 +255,10 @@ def _validate(job: dict, name_id: str | None) -> None:
         not isinstance(max_attempts, int) or isinstance(max_attempts, bool) or max_attempts < 1
     ):
         raise InvalidJob(f"max_attempts must be an integer >= 1, not {repr(max_attempts)[:40]}")
-    timeout = job.get("timeout")
-    if timeout is not None and (not _is_number(timeout) or timeout < 0 or timeout > MAX_TIMEOUT):
-        raise InvalidJob(f"timeout must be a number of seconds from 0 to {MAX_TIMEOUT:g}, not {repr(timeout)[:40]}")
+    for key in ("timeout", "idle_timeout"):
+        timeout = job.get(key)
+        if timeout is not None and (not _is_number(timeout) or timeout < 0 or timeout > MAX_TIMEOUT):
+            raise InvalidJob(f"{key} must be a number of seconds from 0 to {MAX_TIMEOUT:g}, not {repr(timeout)[:40]}")
     if job.get("run_at") is not None:
         try:
             parse_time(job["run_at"])

@@ -61,6 +61,7 @@ class Limits:
     timeout: float  # seconds, 0 = none
     grace: float
     output_limit: int
+    idle: float = 0.0  # seconds without output before the run is stopped, 0 = never
 
 
 @dataclass(slots=True)
@@ -381,16 +382,18 @@ TRIM_FIRST = 0.005  # the first check; the interval doubles while little is writ
 TRIM_ABOVE = 1 << 20  # captured output beyond this (and 4x output_limit) is let go
 
 
-def _trim(fd: int, keep: int) -> int:
+def _trim(fd: int, keep: int) -> tuple[int, int]:
     """Free all but the last ``keep`` bytes of a growing output file (punch
     a hole; the size stays, reads of the hole give zeros), so a job that
     writes gigabytes costs the worker only its tail in memory. Returns the
-    file's size (all the job wrote)."""
-    size = os.fstat(fd).st_size
+    file's size (all the job wrote) and its mtime (a touch counts as output
+    for the idle timeout)."""
+    st = os.fstat(fd)
+    size = st.st_size
     if size <= max(TRIM_ABOVE, 4 * keep):
-        return size
+        return size, st.st_mtime_ns
     linux.punch_hole(fd, (size - keep) & ~4095)
-    return size
+    return size, st.st_mtime_ns
 
 
 def _next_trim(wait: float, grown: int) -> float:
@@ -405,10 +408,12 @@ def _next_trim(wait: float, grown: int) -> float:
 
 def _supervise(pid: int, limits: Limits, handle: RunHandle, outputs: tuple[int, ...] = (), keep: int = 0,
                on_slow: tuple[float, Callable[[], None]] | None = None, started: float | None = None,
-               spin: float = 0.0, exit_fd: int | None = None) -> bool:
+               spin: float = 0.0, exit_fd: int | None = None) -> str | None:
     """Wait for a child, enforcing the timeout (counted from ``started``,
-    a monotonic time, else from now) on its process group and keeping its
-    captured output bounded. Returns whether it timed out. The child is left
+    a monotonic time, else from now) and the idle timeout (no output
+    written for ``limits.idle`` seconds) on its process group and keeping
+    its captured output bounded. Returns why it was stopped ("timeout",
+    "idle"), None when it exited by itself. The child is left
     for the caller to reap. Until ``spin`` seconds after ``started`` the
     wait polls rather than sleeps (see _wait_exit). ``exit_fd``: a
     descriptor that turns readable once the process has exited, for one
@@ -429,23 +434,34 @@ def _supervise(pid: int, limits: Limits, handle: RunHandle, outputs: tuple[int, 
             if deadline is not None:
                 slow_after = min(slow_after, max(0.0, deadline - time.monotonic()))
             if _wait_exit(pid, pidfd, slow_after, spin_until):
-                return False
+                return None
             slow()
-        trim_wait, written = TRIM_FIRST, dict.fromkeys(outputs, 0)
+        trim_wait, written, touched = TRIM_FIRST, dict.fromkeys(outputs, 0), dict.fromkeys(outputs, 0)
+        idle = limits.idle if outputs else 0.0
+        active = started  # when output last grew (the outputs' sizes are looked at with each trim)
+        why = "timeout"
         while True:
             wait = trim_wait if outputs else None
             if deadline is not None:
                 left = max(0.0, deadline - time.monotonic())
                 wait = left if wait is None else min(wait, left)
             if _wait_exit(pid, pidfd, wait, spin_until):
-                return False
+                return None
             if deadline is not None and time.monotonic() >= deadline:
                 break
-            grown = 0
+            grown, stirred = 0, False
             for fd in outputs:
-                size = _trim(fd, keep)
+                size, mtime = _trim(fd, keep)
                 grown, written[fd] = max(grown, size - written[fd]), size
+                stirred, touched[fd] = stirred or mtime != touched[fd], mtime
             trim_wait = _next_trim(trim_wait, grown)
+            if idle > 0:
+                now = time.monotonic()
+                if grown or stirred:
+                    active = now
+                elif now - active >= idle:
+                    why = "idle"
+                    break
         with handle._lock:
             _killpg(pid, signal.SIGTERM)
         if not _wait_exit(pid, pidfd, limits.grace):
@@ -456,7 +472,7 @@ def _supervise(pid: int, limits: Limits, handle: RunHandle, outputs: tuple[int, 
         # make sure nothing it started outlives the timeout.
         with handle._lock:
             _killpg(pid, signal.SIGKILL)
-        return True
+        return why
     finally:
         if pidfd is not None and exit_fd is None:
             os.close(pidfd)
@@ -542,8 +558,9 @@ def _run(plan: RunPlan, how: "_Exec | _Fork") -> Outcome:
             elif handle.cancelled:
                 handle.send(signal.SIGTERM)
             # (A handler's process is the fork server's child: its exit is told on exit_fd.)
-            out.timed_out = _supervise(proc.pid, limits, handle, outputs, limits.output_limit, plan.on_slow,
-                                       started, plan.spin, getattr(proc, "exit_fd", None))
+            stopped = _supervise(proc.pid, limits, handle, outputs, limits.output_limit, plan.on_slow,
+                                 started, plan.spin, getattr(proc, "exit_fd", None))
+            out.timed_out = stopped is not None
         except BaseException:
             # Whatever went wrong here, leave nothing running behind us.
             _killpg(proc.pid, signal.SIGKILL)
@@ -558,7 +575,8 @@ def _run(plan: RunPlan, how: "_Exec | _Fork") -> Outcome:
         out.interrupted = handle.interrupted
         out.cancelled = handle.cancelled
         if out.timed_out:
-            out.error = f"timed out after {limits.timeout:g}s"
+            out.error = (f"no output for {record.duration_text(limits.idle)}" if stopped == "idle"
+                         else f"timed out after {limits.timeout:g}s")
         elif out.interrupted:
             out.error = STOPPED_NOW
         elif out.cancelled:

@@ -112,7 +112,14 @@ def job_env(base: dict[str, str], job: dict, attempt: int, spool: str, worker_id
     env["SPOOLQ_ATTEMPT"] = str(attempt)
     env["SPOOLQ_SPOOL"] = spool
     env["SPOOLQ_WORKER"] = worker_id
+    # The run's captured stdout, named from whichever process of it opens
+    # it: touching it counts as output for idle_timeout.
+    env["SPOOLQ_HEARTBEAT"] = HEARTBEAT
     return env
+
+
+#: What $SPOOLQ_HEARTBEAT names (see job_env).
+HEARTBEAT = "/proc/self/fd/1"
 
 
 def _load_average() -> float:
@@ -595,12 +602,14 @@ class Worker:
         s = self.settings
         generation = getattr(s, "generation", 0)
         if self._default_limits is None or self._default_limits[0] != generation:
-            self._default_limits = (generation, Limits(float(s["timeout"]), float(s["timeout_grace"]), int(s["output_limit"])))
+            self._default_limits = (generation, Limits(float(s["timeout"]), float(s["timeout_grace"]), int(s["output_limit"]),
+                                                       float(s["idle_timeout"])))
         limits = self._default_limits[1]
-        timeout = job.get("timeout")
-        if timeout is None:
+        timeout, idle = job.get("timeout"), job.get("idle_timeout")
+        if timeout is None and idle is None:
             return limits
-        return Limits(float(timeout), limits.grace, limits.output_limit)
+        return Limits(limits.timeout if timeout is None else float(timeout), limits.grace, limits.output_limit,
+                      limits.idle if idle is None else float(idle))
 
     def _run_one(self, claimed: Claim) -> None:
         job = claimed.job
@@ -610,7 +619,7 @@ class Worker:
         handle = RunHandle()
         limits = self._limits(job)
         kind = job.get("kind")
-        inline = kind is not None and limits.timeout <= 0
+        inline = kind is not None and limits.timeout <= 0 and limits.idle <= 0
         try:
             reg.note_run(job_id, claimed.attempt)
         except OSError as e:

@@ -17,9 +17,11 @@ look. Waiting is a ``select()`` on an inotify descriptor: no CPU, no lock.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import stat
+import threading
 import time
 from typing import Any, Callable
 
@@ -41,6 +43,17 @@ WORKERS = (("workers", Inotify.ARRIVALS | Inotify.DELETE | Inotify.CLOSE_WRITE |
 CONTROL_EVENTS = Inotify.ARRIVALS | Inotify.DELETE | Inotify.MOVED_FROM
 
 
+def _locked(method: Callable) -> Callable:
+    """One thread at a time holds the folder's descriptor (see release)."""
+
+    @functools.wraps(method)
+    def wrapper(self: "ControlDir", *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
 class ControlDir:
     """The control folder of one open spool."""
 
@@ -52,6 +65,7 @@ class ControlDir:
         self.member = spool.member
         self._ask = ask
         self._fd: int | None = None
+        self._lock = threading.RLock()
         # The owner's worker in a shared spool: carries out members' requests
         # in drop/ (see Pickup.answer_requests), watched with control/.
         self._answer = answer if spool.shared else None
@@ -96,13 +110,30 @@ class ControlDir:
         self._fd = fd
         return fd
 
+    @_locked
     def close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
 
+    @_locked
+    def interrupt(self) -> None:
+        """Wake the watchers of the folder (a listener told to stop): a
+        dot-file made and removed at once, never read as a request."""
+        fd = self.fd()
+        name = f".wake.{os.urandom(8).hex()}"
+        os.close(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=fd))
+        os.unlink(name, dir_fd=fd)
+
+    def release(self) -> None:
+        """Let go of the folder's descriptor until it is next needed (a
+        worker's listener, between looks: a worker may run under a low
+        open-file limit)."""
+        self.close()
+
     # -- requests -------------------------------------------------------------
 
+    @_locked
     def send(self, request: dict[str, Any]) -> str:
         """Write a request durably; returns its token."""
         fd = self.fd()
@@ -119,6 +150,7 @@ class ControlDir:
         os.fsync(fd)
         return token
 
+    @_locked
     def requests(self) -> list[tuple[str, dict[str, Any]]]:
         """Every request waiting, as (token, request), oldest first. A file
         that is not one the owner's side or root wrote is removed unread."""
@@ -157,6 +189,7 @@ class ControlDir:
             return None
         return request if isinstance(request, dict) and len(data) <= REQUEST_MAX else None
 
+    @_locked
     def done(self, token: str) -> None:
         """Remove a request (carried out, or no longer to be)."""
         fd = self.fd(create=False)
@@ -167,6 +200,7 @@ class ControlDir:
         except FileNotFoundError:
             pass
 
+    @_locked
     def pending(self, token: str) -> bool:
         fd = self.fd(create=False)
         try:
@@ -177,6 +211,7 @@ class ControlDir:
 
     # -- pause ----------------------------------------------------------------
 
+    @_locked
     def paused(self) -> dict[str, Any] | None:
         """Who paused the spool and when, or None when it is not paused."""
         fd = self.fd(create=False)
@@ -186,6 +221,7 @@ class ControlDir:
             return None
         return self._read(fd, PAUSED) or {"by": "?", "at": 0}
 
+    @_locked
     def set_paused(self, info: dict[str, Any] | None) -> bool:
         """Pause (``info``: who, when) or resume; False when it was so already."""
         fd = self.fd()
@@ -211,6 +247,7 @@ class ControlDir:
 
     # -- events ---------------------------------------------------------------
 
+    @_locked
     def watch(self, *kinds: str) -> "Watch":
         """An inotify instance on what ``kinds`` name: "control", "finished"
         (done/, dead/, failed/ arrivals), "states" (every state folder's

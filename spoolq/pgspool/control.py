@@ -83,6 +83,13 @@ class PgChannel:
     def ask(self, request: dict[str, Any], what: str) -> Any:
         raise NotImplementedError("a PostgreSQL spool has no members")
 
+    def interrupt(self) -> None:
+        """Wake the listeners (one told to stop; the others look, find nothing new)."""
+        self._conn().execute(f"NOTIFY {CONTROL}")
+
+    def release(self) -> None:
+        """(Nothing held between looks: the backend's connection stays.)"""
+
     def answer(self) -> None:
         """(No members' requests to answer: they send their own rows.)"""
 
