@@ -232,6 +232,13 @@ class Backend(Protocol):
     def commit(self, finished: list[Finished] | None = None) -> None: ...
     def housekeeping(self, settle: Callable[[], None]) -> None: ...
     def count_workers(self) -> int: ...
+
+    # -- job control -------------------------------------------------------
+    def control(self) -> Any:
+        """The control channel (control.Channel): requests into live
+        workers, the pause state, events of finished jobs and of workers."""
+    def paused(self) -> dict | None:
+        """Who paused the spool and when (``by``, ``at``), or None."""
     def stop_work(self) -> None:
         """The worker is done with the spool (the spool stays open for its other users)."""
 

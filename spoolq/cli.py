@@ -17,7 +17,7 @@ from typing import Any
 
 import click
 
-from . import output, record
+from . import controlcli, output, record
 from .errors import JobNotFound, NotPossible, RequestPending
 from .output import dumps, echo, fail, one_line
 from .spool import PartlyEnqueued, Spool, load_app
@@ -207,12 +207,16 @@ def init(ctx, group):
 @click.option("--id", "job_id", help="The job id (default: a fresh, time-ordered one).")
 @click.option("--max-attempts", type=click.IntRange(min=1), help="Runs before the job goes to dead/.")
 @click.option("--timeout", callback=_duration, metavar="DURATION", help="Time before a run is killed (90, 5m, 1h30m).")
+@click.option("--idle-timeout", callback=_duration, metavar="DURATION",
+              help="Stop a run that writes no output for this long (10m).")
 @click.option("--in", "delay", callback=_duration, metavar="DURATION", help="Run after this delay (90, 5m, 2h, 7d).")
 @click.option("--at", "at", metavar="TIME", help="Run at this time (RFC 3339 or epoch seconds).")
 @click.option("--env", "env", multiple=True, metavar="K=V", help="Add to the job's environment (repeatable).")
 @click.option("--cwd", metavar="DIR", help="Working directory of the run (default: the current directory).")
+@click.option("--wait", "wait_", is_flag=True, help="Then wait for the job to finish (exit status as `spoolq wait`).")
 @click.pass_context
-def enqueue(ctx, args, use_argv, kind, payload, job_json, jsonl, job_id, max_attempts, timeout, delay, at, env, cwd):
+def enqueue(ctx, args, use_argv, kind, payload, job_json, jsonl, job_id, max_attempts, timeout, idle_timeout, delay, at,
+            env, cwd, wait_):
     """Enqueue a job and print its id.
 
     One argument is a shell command (run by /bin/sh); several are a
@@ -229,6 +233,11 @@ def enqueue(ctx, args, use_argv, kind, payload, job_json, jsonl, job_id, max_att
     """
     args, use_argv, job_json = _command_form(args, use_argv, kind, job_json, jsonl)
     options = _job_options(ctx, payload, job_id, max_attempts, timeout, delay, at, env, cwd)
+    if idle_timeout is not None:
+        if idle_timeout > record.MAX_TIMEOUT:
+            fail(f"--idle-timeout {_given(ctx, 'idle_timeout')} is too long: it is at most {record.MAX_TIMEOUT} "
+                 "seconds (3650d)", 2)
+        options["idle_timeout"] = idle_timeout
     spool = _existing(ctx)  # a mistyped path must not become a spool no worker reads
     if jsonl is not None:
         if job_id is not None:
@@ -243,10 +252,14 @@ def enqueue(ctx, args, use_argv, kind, payload, job_json, jsonl, job_id, max_att
             _print_ids(getattr(e, "published_ids", []))
             raise
         _print_ids(ids)
+        if wait_:
+            controlcli.wait_and_exit(spool, ids, None, False, False)
         return
     fields = _job_fields(args, use_argv, kind, job_json, options)
     job_id = spool.enqueue_job(_cwd_here(fields))
     _print_ids([job_id])
+    if wait_:
+        controlcli.wait_and_exit(spool, [job_id], None, False, False)
 
 
 def _command_form(args, use_argv, kind, job_json, jsonl):
@@ -501,7 +514,9 @@ def status(ctx, as_json, prometheus):
     if counts.get("workers_seen") is False:
         echo(f"{'workers':<8}{'-':>10}  (seen by the spool's owner only)")
         return
-    echo(f"{'workers':<8}{len(workers):>10}")
+    paused = counts.get("paused")
+    echo(f"{'workers':<8}{len(workers):>10}" + (f"  (paused by {paused.get('by')}: 'spoolq resume' lets them claim)"
+                                                 if paused else ""))
     for w in workers:
         running = ", ".join(w.get("jobs") or {}) or "idle"
         echo(one_line(f"  {w.get('worker')}  pid {w.get('pid')}  since {w.get('started_at')}  running: {running}"))
@@ -586,13 +601,19 @@ def show(ctx, job_id, as_json):
 @click.argument("job_id", metavar="ID", shell_complete=_id_completer("new", "failed"))
 @click.pass_context
 def cancel(ctx, job_id):
-    """Cancel a waiting job (new/ or failed/ -> done/, outcome cancelled); ID may be the start of one."""
+    """Cancel a job (ID may be the start of one): a waiting one goes to done/
+    with outcome cancelled; a running one is killed as `spoolq kill` does."""
     output.refuse_bad_ids((job_id,))
     spool = _existing(ctx)
     try:
         job_id = spool.resolve(job_id, ("new", "failed"), ())
         spool.cancel(job_id, check=True, on_note=_note)
-    except (JobNotFound, NotPossible) as e:
+    except NotPossible as e:
+        if (spool.get(job_id) or {}).get("state") == "cur":
+            controlcli.kill_and_say(spool, job_id, None)
+            return
+        fail(str(e), 1)
+    except JobNotFound as e:
         fail(str(e), 1)
     except RequestPending as e:
         fail(str(e), PENDING)
@@ -844,6 +865,10 @@ def bench(ctx, n, fsync, sections, true_jobs, scale_sizes, compare, as_json, kee
     result = benchmod.run(spool.path, n, fsync, sections=chosen,
                           true_jobs=true_jobs, scale_sizes=sizes, keep=keep, progress=True)  # (to stderr: --json stays clean)
     echo(benchmod.report(result, as_json))
+
+
+for _command in controlcli.COMMANDS:
+    cli.add_command(_command)
 
 
 def main() -> None:

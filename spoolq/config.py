@@ -27,6 +27,7 @@ DEFAULTS: dict[str, Any] = {
     "backoff_factor": 2,
     "backoff_max": 3600,
     "timeout": 0,
+    "idle_timeout": 0,
     "timeout_grace": 5,
     "fsync": True,
     "output_limit": 8192,
@@ -47,6 +48,7 @@ HELP = {
     "backoff_factor": "each further failure multiplies the wait by this (>= 1)",
     "backoff_max": "the longest wait between runs, in seconds",
     "timeout": "seconds before a run is killed; 0 means no limit",
+    "idle_timeout": "seconds a run may write no output before it is killed; 0 means no limit",
     "timeout_grace": "seconds between SIGTERM and SIGKILL when a run times out",
     "fsync": "make enqueues and outcomes durable against power loss",
     "output_limit": "bytes of stdout and of stderr kept in the record (the tail)",
@@ -217,7 +219,7 @@ def check(key: str, value: Any, stored: bool = False) -> Any:
         return _number(key, value, 1)
     if key == "rescan_interval":
         return _seconds(key, value, above=True, clamp=stored)
-    if key in ("backoff_initial", "backoff_max", "timeout", "timeout_grace"):
+    if key in ("backoff_initial", "backoff_max", "timeout", "idle_timeout", "timeout_grace"):
         return _seconds(key, value, clamp=stored)
     if key in ("fsync", "allow_commands", "root_handlers"):
         return _bool(key, value)

@@ -117,3 +117,69 @@ def raise_in_thread(thread_id: int, exc_type: type[BaseException]) -> None:
     if _ctypes is None:
         return
     _ctypes.pythonapi.PyThreadState_SetAsyncExc(_ctypes.c_ulong(thread_id), _ctypes.py_object(exc_type))
+
+
+class Inotify:
+    """An inotify instance (inotify_init1 and inotify_add_watch through
+    ctypes; the events are read from its descriptor with os.read). Waiting
+    on it is a select() on one descriptor: no thread, no polling."""
+
+    CREATE, DELETE, MOVED_TO, MOVED_FROM = 0x100, 0x200, 0x80, 0x40
+    MODIFY, ATTRIB, CLOSE_WRITE, CLOSE_NOWRITE = 0x2, 0x4, 0x8, 0x10
+    DELETE_SELF, MOVE_SELF, Q_OVERFLOW = 0x400, 0x800, 0x4000
+    ARRIVALS = CREATE | MOVED_TO
+
+    def __init__(self) -> None:
+        init = _func("inotify_init1", ["c_int"], "c_int")
+        if not init:
+            raise OSError(38, "inotify is not available")
+        fd = init(os.O_CLOEXEC | os.O_NONBLOCK)
+        if fd < 0:
+            err = _ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+        self.fd = fd
+        self.watches: dict[int, str] = {}  # watch descriptor -> the label given to add
+
+    def add(self, path: str, mask: int, label: str) -> None:
+        """Watch ``path`` (a folder or a file) for the events in ``mask``."""
+        add = _func("inotify_add_watch", ["c_int", "c_char_p", "c_uint"], "c_int")
+        wd = add(self.fd, os.fsencode(path), mask)
+        if wd < 0:
+            err = _ctypes.get_errno()
+            raise OSError(err, os.strerror(err), path)
+        self.watches[wd] = label
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def read(self, timeout: float | None) -> list[tuple[str, int, str]] | None:
+        """The events that came, as (label, mask, name), after waiting up to
+        ``timeout`` seconds (None: for ever) for the first; [] on timeout;
+        None when the queue overflowed (events were lost: look again)."""
+        import select
+
+        ready, _, _ = select.select([self.fd], [], [], timeout)
+        if not ready:
+            return []
+        events: list[tuple[str, int, str]] = []
+        overflow = False
+        while True:
+            try:
+                data = os.read(self.fd, 65536)
+            except BlockingIOError:
+                break
+            pos = 0
+            while pos + 16 <= len(data):
+                wd, mask, _cookie, size = (int.from_bytes(data[pos + i:pos + i + 4], sys.byteorder) for i in (0, 4, 8, 12))
+                name = data[pos + 16:pos + 16 + size].split(b"\0", 1)[0]
+                pos += 16 + size
+                if mask & self.Q_OVERFLOW:
+                    overflow = True
+                    continue
+                events.append((self.watches.get(wd, ""), mask, os.fsdecode(name)))
+        return None if overflow else events
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1

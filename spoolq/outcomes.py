@@ -120,10 +120,10 @@ class Recorder:
         self.log_outcome(claim.job, out, claim.attempt, finished.state, finished.due)
 
     def log_outcome(self, job: dict, out: Outcome, attempt: int, dest: str, due: float | None) -> None:
-        level, severity = (0, None) if dest == "dead" else (1, logging.WARNING if dest == "failed" else None)
+        level, severity = (0, None) if dest == "dead" or out.cancelled else (1, logging.WARNING if dest == "failed" else None)
         if not wants(self.w.log, level, severity):
             return  # (not worth building a line that would be dropped)
-        outcome = {"done": "succeeded", "failed": "failed", "dead": "dead"}[dest]
+        outcome = "cancelled" if out.cancelled else {"done": "succeeded", "failed": "failed", "dead": "dead"}[dest]
         max_attempts = job.get("max_attempts") or self.w.settings["max_attempts"]
         parts = [
             f"worker={self.w.wid}",

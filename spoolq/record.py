@@ -28,7 +28,7 @@ MAX_TIMEOUT = 10 * 365 * 86400  # ten years: beyond it select() and timers overf
 
 TARGETS = ("command", "argv", "kind")
 # The fields a producer writes (see SPOOLQ_FIELDS for spoolq's own).
-PRODUCER_FIELDS = TARGETS + ("payload", "id", "max_attempts", "timeout", "run_at", "env", "cwd")
+PRODUCER_FIELDS = TARGETS + ("payload", "id", "max_attempts", "timeout", "idle_timeout", "run_at", "env", "cwd")
 
 
 # --------------------------------------------------------------------------
@@ -166,6 +166,19 @@ def parse_duration(text: Any) -> float:
     return total
 
 
+def duration_text(seconds: float) -> str:
+    """Seconds as a duration people write: ``90s``, ``10m``, ``1h30m``."""
+    left = int(round(seconds))
+    if left < 60 or seconds != left:
+        return f"{seconds:g}s"
+    parts = []
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
+        if left >= size:
+            parts.append(f"{left // size}{unit}")
+            left %= size
+    return "".join(parts)
+
+
 # --------------------------------------------------------------------------
 # validation
 
@@ -242,9 +255,10 @@ def _validate(job: dict, name_id: str | None) -> None:
         not isinstance(max_attempts, int) or isinstance(max_attempts, bool) or max_attempts < 1
     ):
         raise InvalidJob(f"max_attempts must be an integer >= 1, not {repr(max_attempts)[:40]}")
-    timeout = job.get("timeout")
-    if timeout is not None and (not _is_number(timeout) or timeout < 0 or timeout > MAX_TIMEOUT):
-        raise InvalidJob(f"timeout must be a number of seconds from 0 to {MAX_TIMEOUT:g}, not {repr(timeout)[:40]}")
+    for key in ("timeout", "idle_timeout"):
+        timeout = job.get(key)
+        if timeout is not None and (not _is_number(timeout) or timeout < 0 or timeout > MAX_TIMEOUT):
+            raise InvalidJob(f"{key} must be a number of seconds from 0 to {MAX_TIMEOUT:g}, not {repr(timeout)[:40]}")
     if job.get("run_at") is not None:
         try:
             parse_time(job["run_at"])
@@ -528,8 +542,9 @@ INTERRUPTED = "interrupted: the worker running it died"
 
 def next_state(job: dict, out: Outcome, attempt: int, max_attempts: int) -> str:
     """Where a job goes after run ``attempt`` with outcome ``out``: done,
-    failed or dead (``max_attempts``: the spool's, for a job that sets none)."""
-    if out.ok:
+    failed or dead (``max_attempts``: the spool's, for a job that sets none;
+    a run cancelled while it ran: done, never retried)."""
+    if out.ok or out.cancelled:
         return "done"
     if out.permanent:
         return "dead"
@@ -560,7 +575,7 @@ def add_finish(job: dict, out: Outcome, attempt: int, due: float, worker_id: str
     add_run(job, entry, results)
     dest = next_state(job, out, attempt, max_attempts)
     if dest == "done":
-        job["outcome"] = "succeeded"
+        job["outcome"] = "cancelled" if out.cancelled else "succeeded"
     job["state"] = dest
     job["finished_at" if dest != "failed" else "failed_at"] = end
     return dest
@@ -674,6 +689,7 @@ class Outcome:
     timed_out: bool = False
     interrupted: bool = False
     not_started: bool = False  # stopped before it began: no run to count (the job goes back as it was)
+    cancelled: str | None = None  # who cancelled the run while it ran (it ends for good, not retried)
     exit_request: Any = NO_RESULT  # the code of a sys.exit() in a handler (see call_handler)
 
     @property

@@ -51,11 +51,17 @@ PERMANENT_EXIT = 100
 STOPPED_NOW = "killed: the worker was told to stop now"  # the error of a run a forced stop ended or kept from starting
 
 
+def cancelled_error(by: str | None) -> str:
+    """The error of a run cancelled while it ran."""
+    return f"cancelled by {by}"
+
+
 @dataclass(slots=True)
 class Limits:
     timeout: float  # seconds, 0 = none
     grace: float
     output_limit: int
+    idle: float = 0.0  # seconds without output before the run is stopped, 0 = never
 
 
 @dataclass(slots=True)
@@ -69,6 +75,7 @@ class RunHandle:
     pid: int | None = None
     interrupted: bool = False
     inline: bool = False
+    cancelled: str | None = None  # who asked for the run to be cancelled (see cancel)
     # Re-entrant: kill() runs in a signal handler on the main thread, which
     # may have been interrupted while holding this lock.
     _lock: threading.RLock = field(default_factory=threading.RLock)
@@ -80,6 +87,31 @@ class RunHandle:
             self.interrupted = True
             if self.pid is not None and not self._reaped:
                 _killpg(self.pid, signal.SIGKILL)
+
+    def send(self, sig: int) -> bool:
+        """Send ``sig`` to the run's process group; False when it has no
+        process (yet, or any more). Only while the leader is unreaped, so
+        the group id is still this run's and cannot name anyone else's."""
+        with self._lock:
+            if self.pid is None or self._reaped:
+                return False
+            _killpg(self.pid, sig)
+            return True
+
+    def cancel(self, by: str, grace: float) -> None:
+        """End the run for good: SIGTERM to its process group, SIGKILL
+        after ``grace`` seconds if it still runs. A run that has no process
+        yet is kept from starting; an in-process handler is the caller's to
+        stop (it has no process to signal)."""
+        with self._lock:
+            if self.cancelled is None:
+                self.cancelled = by
+            if not self.send(signal.SIGTERM):
+                return
+        timer = threading.Timer(grace, self.send, (signal.SIGKILL,))
+        timer.daemon = True
+        with procs.signals_to_main_thread():  # a stop signal must reach the worker's main thread
+            timer.start()
 
 
 def _killpg(pgid: int, sig: int) -> None:
@@ -350,16 +382,18 @@ TRIM_FIRST = 0.005  # the first check; the interval doubles while little is writ
 TRIM_ABOVE = 1 << 20  # captured output beyond this (and 4x output_limit) is let go
 
 
-def _trim(fd: int, keep: int) -> int:
+def _trim(fd: int, keep: int) -> tuple[int, int]:
     """Free all but the last ``keep`` bytes of a growing output file (punch
     a hole; the size stays, reads of the hole give zeros), so a job that
     writes gigabytes costs the worker only its tail in memory. Returns the
-    file's size (all the job wrote)."""
-    size = os.fstat(fd).st_size
+    file's size (all the job wrote) and its mtime (a touch counts as output
+    for the idle timeout)."""
+    st = os.fstat(fd)
+    size = st.st_size
     if size <= max(TRIM_ABOVE, 4 * keep):
-        return size
+        return size, st.st_mtime_ns
     linux.punch_hole(fd, (size - keep) & ~4095)
-    return size
+    return size, st.st_mtime_ns
 
 
 def _next_trim(wait: float, grown: int) -> float:
@@ -374,10 +408,12 @@ def _next_trim(wait: float, grown: int) -> float:
 
 def _supervise(pid: int, limits: Limits, handle: RunHandle, outputs: tuple[int, ...] = (), keep: int = 0,
                on_slow: tuple[float, Callable[[], None]] | None = None, started: float | None = None,
-               spin: float = 0.0, exit_fd: int | None = None) -> bool:
+               spin: float = 0.0, exit_fd: int | None = None) -> str | None:
     """Wait for a child, enforcing the timeout (counted from ``started``,
-    a monotonic time, else from now) on its process group and keeping its
-    captured output bounded. Returns whether it timed out. The child is left
+    a monotonic time, else from now) and the idle timeout (no output
+    written for ``limits.idle`` seconds) on its process group and keeping
+    its captured output bounded. Returns why it was stopped ("timeout",
+    "idle"), None when it exited by itself. The child is left
     for the caller to reap. Until ``spin`` seconds after ``started`` the
     wait polls rather than sleeps (see _wait_exit). ``exit_fd``: a
     descriptor that turns readable once the process has exited, for one
@@ -398,23 +434,34 @@ def _supervise(pid: int, limits: Limits, handle: RunHandle, outputs: tuple[int, 
             if deadline is not None:
                 slow_after = min(slow_after, max(0.0, deadline - time.monotonic()))
             if _wait_exit(pid, pidfd, slow_after, spin_until):
-                return False
+                return None
             slow()
-        trim_wait, written = TRIM_FIRST, dict.fromkeys(outputs, 0)
+        trim_wait, written, touched = TRIM_FIRST, dict.fromkeys(outputs, 0), dict.fromkeys(outputs, 0)
+        idle = limits.idle if outputs else 0.0
+        active = started  # when output last grew (the outputs' sizes are looked at with each trim)
+        why = "timeout"
         while True:
             wait = trim_wait if outputs else None
             if deadline is not None:
                 left = max(0.0, deadline - time.monotonic())
                 wait = left if wait is None else min(wait, left)
             if _wait_exit(pid, pidfd, wait, spin_until):
-                return False
+                return None
             if deadline is not None and time.monotonic() >= deadline:
                 break
-            grown = 0
+            grown, stirred = 0, False
             for fd in outputs:
-                size = _trim(fd, keep)
+                size, mtime = _trim(fd, keep)
                 grown, written[fd] = max(grown, size - written[fd]), size
+                stirred, touched[fd] = stirred or mtime != touched[fd], mtime
             trim_wait = _next_trim(trim_wait, grown)
+            if idle > 0:
+                now = time.monotonic()
+                if grown or stirred:
+                    active = now
+                elif now - active >= idle:
+                    why = "idle"
+                    break
         with handle._lock:
             _killpg(pid, signal.SIGTERM)
         if not _wait_exit(pid, pidfd, limits.grace):
@@ -425,7 +472,7 @@ def _supervise(pid: int, limits: Limits, handle: RunHandle, outputs: tuple[int, 
         # make sure nothing it started outlives the timeout.
         with handle._lock:
             _killpg(pid, signal.SIGKILL)
-        return True
+        return why
     finally:
         if pidfd is not None and exit_fd is None:
             os.close(pidfd)
@@ -487,10 +534,11 @@ def _run(plan: RunPlan, how: "_Exec | _Fork") -> Outcome:
     started_up = False
     try:
         how.prepare(fds)
-        if handle.interrupted:  # told to stop before it started: do not start it
+        if handle.interrupted or handle.cancelled:  # told to stop before it started: do not start it
             out.end = time.time()
-            out.error = STOPPED_NOW
-            out.interrupted = out.not_started = True
+            out.error = STOPPED_NOW if handle.interrupted else cancelled_error(handle.cancelled)
+            out.interrupted = out.not_started = handle.interrupted
+            out.cancelled = handle.cancelled
             return out
         before = procs.boot_ticks()
         proc = how.start(plan, outputs, out)
@@ -507,23 +555,32 @@ def _run(plan: RunPlan, how: "_Exec | _Fork") -> Outcome:
                 pass  # the registration is a safety net; the run goes on without it
             if handle.interrupted:  # a kill arrived before the pid was known
                 handle.kill()
+            elif handle.cancelled:
+                handle.send(signal.SIGTERM)
             # (A handler's process is the fork server's child: its exit is told on exit_fd.)
-            out.timed_out = _supervise(proc.pid, limits, handle, outputs, limits.output_limit, plan.on_slow,
-                                       started, plan.spin, getattr(proc, "exit_fd", None))
+            stopped = _supervise(proc.pid, limits, handle, outputs, limits.output_limit, plan.on_slow,
+                                 started, plan.spin, getattr(proc, "exit_fd", None))
+            out.timed_out = stopped is not None
         except BaseException:
             # Whatever went wrong here, leave nothing running behind us.
             _killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             raise
         with handle._lock:
+            if handle.cancelled:  # nothing the run started outlives it
+                _killpg(proc.pid, signal.SIGKILL)
             handle._reaped = True  # before reaping: after it the group id may be reused
             code = proc.wait()
         out.end = time.time()
         out.interrupted = handle.interrupted
+        out.cancelled = handle.cancelled
         if out.timed_out:
-            out.error = f"timed out after {limits.timeout:g}s"
+            out.error = (f"no output for {record.duration_text(limits.idle)}" if stopped == "idle"
+                         else f"timed out after {limits.timeout:g}s")
         elif out.interrupted:
             out.error = STOPPED_NOW
+        elif out.cancelled:
+            out.error = cancelled_error(out.cancelled)
         more_stderr = how.finish(out, code)
         out.stdout = _tail(outputs[0], limits.output_limit)
         out.stderr = _tail(outputs[1], limits.output_limit)
@@ -587,7 +644,7 @@ class _Exec:
     def finish(self, out: Outcome, code: int) -> str | None:
         """Judge the exit ``code``; None: no more stderr than the job's own."""
         env = self.env
-        if (out.timed_out or out.interrupted) and env.get("SPOOLQ_WORKER"):
+        if (out.timed_out or out.interrupted or out.cancelled) and env.get("SPOOLQ_WORKER"):
             # Killed with its process group; what left the group (setsid) is
             # found by the variables that mark this run, as recovery would.
             procs.kill_marked([f"{k}={env[k]}" for k in ("SPOOLQ_WORKER", "SPOOLQ_JOB_ID", "SPOOLQ_ATTEMPT") if k in env])

@@ -34,6 +34,7 @@ from .errors import (  # noqa: F401 - importable from here too
 from .backend import Unavailable
 from .ids import id_problem, new_id
 from .owners import swappable, user_name
+from .jobcontrol import JobControl
 
 #: What ``pip`` installs for a PostgreSQL spool.
 POSTGRES_EXTRA = "pip install 'spoolq[postgres]'"
@@ -52,7 +53,7 @@ def open_backend(location: str) -> Any:
     return DirBackend(location)
 
 
-class Spool:
+class Spool(JobControl):
     """A spool: enqueue, inspect, cancel, retry and run jobs.
 
     ``Spool()`` uses ``$SPOOLQ_DIR``, else ``./spool``: a directory path, or

@@ -39,12 +39,13 @@ from typing import Any, Callable
 
 from . import config, linux, procs
 from .backend import Backend, Claim, Unavailable, WorkerReg
+from .control import Listener
 from .errors import ForcedStop, ForkServerGone
 from .forkserver import ForkServer
 from .outcomes import Recorder
 from .output import Log, as_log  # noqa: F401 - Log: importable from here too
 from .record import Outcome
-from .runner import STOPPED_NOW, Limits, RunHandle, RunPlan, call_handler, fork_handler, inheritable_fds, run_process
+from .runner import STOPPED_NOW, Limits, RunHandle, cancelled_error, RunPlan, call_handler, fork_handler, inheritable_fds, run_process
 from .strategies import Serial, Slots
 from .waker import Waker
 
@@ -111,7 +112,14 @@ def job_env(base: dict[str, str], job: dict, attempt: int, spool: str, worker_id
     env["SPOOLQ_ATTEMPT"] = str(attempt)
     env["SPOOLQ_SPOOL"] = spool
     env["SPOOLQ_WORKER"] = worker_id
+    # The run's captured stdout, named from whichever process of it opens
+    # it: touching it counts as output for idle_timeout.
+    env["SPOOLQ_HEARTBEAT"] = HEARTBEAT
     return env
+
+
+#: What $SPOOLQ_HEARTBEAT names (see job_env).
+HEARTBEAT = "/proc/self/fd/1"
 
 
 def _load_average() -> float:
@@ -200,6 +208,9 @@ class Worker:
         self._deadline: float | None = None
         self._lock = threading.RLock()  # re-entrant: the signal handler takes it too
         self._running: dict[int, RunHandle] = {}  # thread id -> the run it is doing
+        self._jobs: dict[str, tuple[RunHandle, int, int]] = {}  # job id -> (its run, thread id, attempt)
+        self.listener: Listener | None = None  # carries out stop, pause and kill requests
+        self.paused = False
         self.strategy: Serial | Slots = Serial(self, self.tuning) if jobs == 1 else Slots(self, jobs)
         self.recorder = Recorder(self)
         self.record = self.recorder.record
@@ -219,6 +230,36 @@ class Worker:
             self._kill_running()
         if self.waker:
             self.waker.wake()
+
+    def set_paused(self, paused: bool) -> None:
+        """Claim nothing while paused (the control listener says so)."""
+        if paused == self.paused:
+            return
+        self.paused = paused
+        self.log.line(f"worker={self.wid} {'paused: claims nothing until resumed' if paused else 'resumed'}", 1)
+        if self.waker:
+            self.waker.wake()
+
+    def kill_job(self, job_id: str, attempt: int | None, sig: int | None, by: str) -> bool:
+        """Signal a run of this worker: ``sig`` to its process group, or
+        (None) cancel it for good. Only runs this worker started are
+        signalled; False when it runs no such run."""
+        with self._lock:
+            entry = self._jobs.get(job_id)
+        if entry is None or (attempt is not None and entry[2] != attempt):
+            return False
+        handle, thread_id, _ = entry
+        if sig is not None:
+            handle.send(sig)
+            return True
+        handle.cancel(by, float(self.settings["timeout_grace"]))
+        with handle._lock:
+            if handle.inline:  # an in-process handler: stopped as a forced stop stops it
+                linux.raise_in_thread(thread_id, ForcedStop)
+        return True
+
+    def _control_line(self, text: str, level: int, severity: Any) -> None:
+        self.log.line(f"worker={self.wid} {text}", level, severity)
 
     def _kill_running(self) -> None:
         with self._lock:
@@ -321,6 +362,8 @@ class Worker:
             backend.open(create=True)
             self.registration = backend.register(sorted(self.handlers), self.tuning)
             self.registration.on_lost(self._lost)
+            self.listener = Listener(backend.control(), self, self._control_line, procs.signals_to_main_thread)
+            self.listener.start()
         except BaseException:
             for sig, old in old_handlers.items():
                 signal.signal(sig, old)
@@ -355,6 +398,8 @@ class Worker:
             except Exception as e:
                 self.log.line(f"worker={self.wid} cannot record the last outcome: {e}", 0)
             self.commit.stop(committer_stop)
+            if self.listener:
+                self.listener.stop()
             if self.waker:
                 self.waker.stop()
             for sig, old in old_handlers.items():
@@ -417,6 +462,9 @@ class Worker:
         self._busy_rounds = 0
         fresh = self.may_claim() and self._between_passes(True)
         while fresh and self.may_claim():
+            if self.paused:  # the pass ends here; the next begins once resumed
+                fresh = self._between_passes(False)
+                continue
             if commit.full(strategy.staged_factor):
                 commit.commit()
             if not strategy.ready():
@@ -455,6 +503,13 @@ class Worker:
         drain is over or the worker stops. Then the backend's upkeep, and a
         new pass begins."""
         self.strategy.idle()  # before pausing, compacting or looking again
+        if self.paused:
+            self.backend.drop_ahead()  # a job held ahead goes back for other workers
+            self._wait_paused()
+            if not self.may_claim():
+                return False
+            self._new_pass()  # resumed: look again at once
+            return True
         if self._pass_claims:
             self._busy_rounds = 0
             self._backoff = UNAVAILABLE_BACKOFF[0]
@@ -468,6 +523,16 @@ class Worker:
             self._unreachable(e)
         self._new_pass()
         return True
+
+    def _wait_paused(self) -> None:
+        """Sleep while the spool is paused (the listener wakes us); running
+        jobs finish and are recorded meanwhile."""
+        while self.paused and not self.stopping:
+            self.commit.commit()
+            self.registration.flush()
+            self.waker.clear()
+            if self.paused and not self.stopping:
+                self.waker.wait(self._rescan_interval() if self.watch else 1.0)
 
     def _wait(self, look: Any) -> bool:
         """Nothing changed since the last look: wait (or end a drain)."""
@@ -537,12 +602,14 @@ class Worker:
         s = self.settings
         generation = getattr(s, "generation", 0)
         if self._default_limits is None or self._default_limits[0] != generation:
-            self._default_limits = (generation, Limits(float(s["timeout"]), float(s["timeout_grace"]), int(s["output_limit"])))
+            self._default_limits = (generation, Limits(float(s["timeout"]), float(s["timeout_grace"]), int(s["output_limit"]),
+                                                       float(s["idle_timeout"])))
         limits = self._default_limits[1]
-        timeout = job.get("timeout")
-        if timeout is None:
+        timeout, idle = job.get("timeout"), job.get("idle_timeout")
+        if timeout is None and idle is None:
             return limits
-        return Limits(float(timeout), limits.grace, limits.output_limit)
+        return Limits(limits.timeout if timeout is None else float(timeout), limits.grace, limits.output_limit,
+                      limits.idle if idle is None else float(idle))
 
     def _run_one(self, claimed: Claim) -> None:
         job = claimed.job
@@ -552,13 +619,16 @@ class Worker:
         handle = RunHandle()
         limits = self._limits(job)
         kind = job.get("kind")
-        inline = kind is not None and limits.timeout <= 0
+        inline = kind is not None and limits.timeout <= 0 and limits.idle <= 0
         try:
             reg.note_run(job_id, claimed.attempt)
         except OSError as e:
             self.log.line(f"worker={self.wid} job={job_id} cannot register the run: {e}", 0)
         with self._lock:
             self._running[thread_id] = handle
+            self._jobs[job_id] = (handle, thread_id, claimed.attempt)
+        if self.listener is not None:
+            self.listener.started(job_id, claimed.attempt)
         run_began = time.time()  # what a stopped run's record says it started at
         out: Outcome
         try:
@@ -572,12 +642,17 @@ class Worker:
             else:
                 out = self._spawn(claimed, limits, handle)
         except ForcedStop:
-            out = Outcome(start=run_began, end=time.time(), error=STOPPED_NOW, interrupted=True)
+            if handle.cancelled:
+                out = Outcome(start=run_began, end=time.time(), error=cancelled_error(handle.cancelled),
+                              cancelled=handle.cancelled)
+            else:
+                out = Outcome(start=run_began, end=time.time(), error=STOPPED_NOW, interrupted=True)
         except Exception as e:  # spoolq's own failure to run it: a failed run, not a dead worker
             out = Outcome(start=run_began, end=time.time(), error=f"internal error running the job: {type(e).__name__}: {e}")
         finally:
             with self._lock:
                 self._running.pop(thread_id, None)
+                self._jobs.pop(job_id, None)
         self.strategy.finished(claimed, out, inline)
 
     def _spawn(self, claimed: Claim, limits: Limits, handle: RunHandle) -> Outcome:

@@ -21,22 +21,24 @@ LAYERS = [
     ["errors", "ids", "linux", "words"],  # leaves: import nothing from spoolq
     ["owners", "procs", "record"],
     ["config"],
-    ["output", "waker"],
+    ["output", "waker", "control"],  # control: job-control requests, the worker's ear, signals
     ["backend", "runner"],  # backend: the storage port every spool implements; runner: one run
     ["forkserver", "outcomes", "strategies"],  # the worker's parts: recording outcomes; -j 1 and -j N
     ["worker", "relay"],  # the loop, and the relay between two spools: through the port only
     ["pool"],
     # The directory spool, behind the port (imported only by the facade and bench):
     ["dirspool.mounts", "dirspool.protocol"],  # which filesystem the spool is on; paths, locks, syncs, renames
-    ["dirspool.registry", "dirspool.watcher"],
+    ["dirspool.control", "dirspool.registry", "dirspool.watcher"],
     ["dirspool.commit", "dirspool.index", "dirspool.transitions"],
     ["dirspool.compact", "dirspool.metrics", "dirspool.pickup", "dirspool.recovery"],
     ["dirspool.passes", "dirspool.reads"],  # a worker's walk over the due jobs; the read side
     ["dirspool.working"],  # the worker's verbs
     ["dirspool.backend"],  # DirBackend: the port over a spool directory
     ["pgspool"],  # the PostgreSQL spool, behind the port (see test_pg_layers.py)
+    ["jobcontrol"],  # the facade's wait, kill, stop, pause (through the port)
     ["spool"],  # the facade: picks the backend; Spool.work is the only way to run workers
     ["bench", "metrics", "testing"],
+    ["controlcli"],  # the job-control commands (wait, kill, stop, pause, resume)
     ["cli"],
     ["entry"],
     ["__init__", "__main__", "dirspool.__init__"],

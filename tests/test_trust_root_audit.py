@@ -286,24 +286,35 @@ def _snapshot(path: Path) -> tuple:
 def test_a_spool_path_someone_else_could_swap_is_refused_before_anything_changes(users):
     """Another user's symlink where root (or anyone) names a spool, and a
     spool path inside another user's folder: ``init --group`` and
-    ``enqueue`` refuse it and change nothing at the link's target."""
+    ``enqueue`` refuse it and change nothing at the link's target (enqueue,
+    which makes no spool, refuses a path without one as such)."""
     target = users.folder("target")
     (target / "kept").write_text("root's\n")
     before = _snapshot(target)
     evils = users.folder("evils", owner=users.evil)
     sticky = users.open_folder("sticky")
+    real = users.root_spool()  # a spool the link may name too: enqueue writes into nothing there
+    jobs = os.listdir(real / "new")
     for folder in (evils, sticky):
         _ok(users.sh(users.evil, f"ln -s {target} {folder}/spool"))
+        _ok(users.sh(users.evil, f"ln -s {real} {folder}/real"))
         for args in (["init", "--group", users.group], ["enqueue", "true"]):
             for user in (None, users.owner):
                 error = _one_line_error(users.spoolq(user, "-s", f"{folder}/spool", *args))
-                assert f"{folder}/spool is a symlink of sqtevil" in error or "sqtevil owns" in error, error
+                swapped = f"{folder}/spool is a symlink of sqtevil" in error or "sqtevil owns" in error
+                # enqueue makes no spool: a path without one is refused as such
+                assert swapped or (args[0] == "enqueue" and f"{folder}/spool is not a spool" in error), error
                 assert _snapshot(target) == before
+                error = _one_line_error(users.spoolq(user, "-s", f"{folder}/real", *args))
+                assert f"{folder}/real is a symlink of sqtevil" in error or "sqtevil owns" in error \
+                    or f"reached through {folder}" in error, error
+                assert os.listdir(real / "new") == jobs
     # Inside a folder of another user's: nothing made there.
     for args in (["init", "--group", users.group], ["enqueue", "true"]):
         error = _one_line_error(users.spoolq(None, "-s", f"{evils}/made", *args))
-        assert f"is reached through {evils}, which sqtevil owns" in error, error
-        assert sorted(os.listdir(evils)) == ["spool"]
+        assert f"is reached through {evils}, which sqtevil owns" in error \
+            or (args[0] == "enqueue" and f"{evils}/made is not a spool" in error), error
+        assert sorted(os.listdir(evils)) == ["real", "spool"]
     # A symlink of root's (or the caller's own) is the folder it names, as before.
     mine = users.folder("mine")
     os.symlink(target, mine / "spool")

@@ -152,6 +152,32 @@ class DirBackend(DirReads, WorkerSide):
         except ValueError as e:
             raise SpoolError(str(e)) from None
 
+    def control(self) -> Any:
+        """The control channel (see control.Channel): requests into live
+        workers, the pause mark, finish and worker events. A worker's
+        channel also answers members' requests in drop/ (their kills)."""
+        from .control import ControlDir  # imported here: start-up speed (only job control needs it)
+
+        self._open()
+        answering: Any = None
+
+        def answer() -> None:
+            nonlocal answering
+            if answering is None:
+                from .pickup import Pickup  # imported here: start-up speed (as recovery)
+
+                answering = Pickup(self.context())
+            answering.answer_requests()
+
+        return ControlDir(self.dir, answer, self._ask)
+
+    def paused(self) -> dict[str, Any] | None:
+        """Who paused the spool and when, or None (a member: None, control/ is the owner's)."""
+        try:
+            return self.control().paused()
+        except PermissionError:
+            return None
+
     def context(self):
         """The transition context (settings, trust, index look-ups)."""
         from .transitions import Context  # imported here: start-up speed (transitions pulls in the runner and subprocess)

@@ -23,6 +23,7 @@ import json
 import os
 import re
 import stat
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
@@ -46,7 +47,10 @@ REPLY_KEEP = 600.0
 LEFT_RETRY = 60.0
 REQUEST_MAX = 4096
 _TOKEN = re.compile(r"[0-9a-f]{8,64}\Z")
-REQUESTS = ("cancel", "retry", "retry_all")
+REQUESTS = ("cancel", "retry", "retry_all", "kill")
+# drop/'s flock keeps other processes out, not this process's other threads
+# (a worker's control listener answers requests beside its dispatcher).
+_IN_PROCESS = threading.Lock()
 
 Log = Callable[[str, int, Any], None]  # (text, level, severity): a worker's Log.line
 
@@ -83,13 +87,37 @@ class Pickup:
         owner's side is picking up right now (it takes these too)."""
         report = PickupReport()
         drops = self.ctx.spool.drops
-        if not drops.lock():
-            return report
-        try:
-            chosen = self._choose(limit, report)
-            self._take(chosen, report)
-        finally:
-            drops.unlock()
+        with _IN_PROCESS:
+            if not drops.lock():
+                return report
+            try:
+                chosen = self._choose(limit, report)
+                self._take(chosen, report)
+            finally:
+                drops.unlock()
+        return report
+
+    def answer_requests(self) -> PickupReport:
+        """Carry out and answer the members' requests alone, leaving their
+        jobs for the next pass: a worker whose dispatcher is busy running
+        jobs answers a member's kill while they run."""
+        report = PickupReport()
+        drops = self.ctx.spool.drops
+        with _IN_PROCESS:
+            if not drops.lock():
+                return report
+            try:
+                names = [n for n in drops.names() if n[0] != "." and n.endswith(REQUEST_SUFFIX)]
+                for name in names[:BATCH]:
+                    seen = self._look(name)
+                    if seen is None or not stat.S_ISREG(seen.mode):
+                        continue  # (the next pass moves it on)
+                    try:
+                        self._request(name, report)
+                    except OSError as e:
+                        self._stuck(name, seen, e)
+            finally:
+                drops.unlock()
         return report
 
     def drain(self) -> PickupReport:
@@ -391,6 +419,8 @@ class Pickup:
                 problems: list[str] = []
                 ids = transitions.retry_all(ctx, problems.append, notes.append, requester=uid)
                 return {"ok": not problems, "ids": ids, "problems": problems, "notes": notes}
+            if kind == "kill":
+                return self._kill(request, uid)
             action = transitions.cancel if kind == "cancel" else transitions.retry
             action(ctx, request["id"], notes.append, requester=uid)
             return {"ok": True, "notes": notes}
@@ -400,6 +430,20 @@ class Pickup:
             return {"ok": False, "error": "not_possible", "message": str(e)}
         except OSError as e:
             return {"ok": False, "error": "not_possible", "message": f"the worker could not do it: {e.strerror or e}"}
+
+    def _kill(self, request: dict, uid: int) -> dict:
+        """A member's kill of its own running job: checked here, then handed
+        to the worker running it as the owner's own kill is."""
+        from .control import ControlDir  # imported here: start-up speed (as the pickup's users)
+
+        job_id = request["id"]
+        attempt = transitions.running_attempt(self.ctx, job_id, requester=uid)
+        sig = request.get("signal")
+        order = {"request": "kill", "id": job_id, "attempt": attempt, "by": user_name(uid)}
+        if isinstance(sig, int) and not isinstance(sig, bool) and 0 < sig < 65:
+            order["signal"] = sig
+        ControlDir(self.ctx.spool).send(order)
+        return {"ok": True, "attempt": attempt}
 
     # -- telling ---------------------------------------------------------------
 

@@ -226,7 +226,9 @@ class DirReads:
         # a member sees no workers.
         if self.dir.member:
             counts["workers"], counts["workers_seen"], counts["unhandled"] = [], False, {}
+            counts["paused"] = None
             return counts
+        counts["paused"] = self.paused()
         workers = live_workers(self.dir, on_problem)
         counts["workers"] = [{k: w.get(k) for k in ("worker", "host", "pid", "started_at", "jobs", "kinds")} for w in workers]
         counts["unhandled"] = self._unhandled(workers, counts["new"] + counts["failed"])

@@ -597,6 +597,27 @@ def retry(ctx: Context, job_id: str, on_note: Callable[[str], None] | None = Non
         held.release()
 
 
+def running_attempt(ctx: Context, job_id: str, requester: int | None = None) -> int:
+    """The run number of a job in cur/ (for a kill request, which names the
+    run it means). Raises JobNotFound, NotPossible when it is not running,
+    or NotYours when ``requester`` (a member's uid) did not enqueue it."""
+    if id_problem(job_id) or ctx.spool.find((file_name(job_id),), ("cur",)) is None:
+        if locate(ctx, job_id) is None and not ctx.index_has(job_id):
+            raise JobNotFound(f"no job {job_id} in this spool")
+        raise NotPossible(f"job {job_id} is not running; nothing to kill")
+    limit = int(ctx.settings["max_job_bytes"])
+    data, st = ctx.spool.read("cur", file_name(job_id), record.read_size(limit))
+    try:
+        job = record.parse_sized(data, job_id, limit)
+    except InvalidJob as e:
+        raise NotPossible(f"job {job_id} is not a valid job ({e})") from None
+    who = enqueuer(ctx, st, job) if st.st_uid in (ctx.spool.owner, 0) else st.st_uid
+    if requester is not None and who != requester:
+        raise NotYours(f"job {job_id} was enqueued by {user_name(who)}, not by {user_name(requester)}: "
+                       "a member may kill only its own jobs")
+    return int(job.get("attempts") or 0) + 1
+
+
 def _check_requester(ctx: Context, held: Held, job_id: str, requester: int | None, what: str) -> None:
     """Refuse (NotYours) a member's request for a job another user
     enqueued: the user a record the owner's side wrote names in run_as

@@ -10,7 +10,7 @@ BEGIN
     IF EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'spoolq_producer') THEN
         GRANT USAGE ON SCHEMA spoolq TO spoolq_producer;
         GRANT SELECT ON spoolq.jobs, spoolq.workers, spoolq.settings, spoolq.counters, spoolq.notes,
-                        spoolq.schema_version TO spoolq_producer;
+                        spoolq.schema_version, spoolq.paused TO spoolq_producer;
         GRANT INSERT (id, record, at) ON spoolq.jobs TO spoolq_producer;
     END IF;
     -- Workers also claim, finish, cancel, retry and recover jobs, and keep
@@ -19,6 +19,8 @@ BEGIN
         GRANT USAGE ON SCHEMA spoolq TO spoolq_worker;
         GRANT SELECT ON spoolq.jobs, spoolq.workers, spoolq.settings, spoolq.counters, spoolq.notes,
                         spoolq.schema_version TO spoolq_worker;
+        -- and send and carry out job control requests (stop, pause, kill).
+        GRANT SELECT, INSERT, DELETE ON spoolq.requests, spoolq.paused TO spoolq_worker;
         GRANT INSERT (id, record, at), UPDATE ON spoolq.jobs TO spoolq_worker;
         GRANT INSERT (worker, host, pid, uid, boot_id, proc_start, kinds), UPDATE (runs, lost_at), DELETE
             ON spoolq.workers TO spoolq_worker;

@@ -86,7 +86,20 @@ class PgPort(PgBackend):
             self._conn("auto").execute("UPDATE spoolq.jobs SET at = now() WHERE state = 'new' AND at > now()")
 
     def counts(self, on_problem: Callable[[str], None] | None = None) -> dict[str, Any]:
-        return super().counts()
+        counts = super().counts()
+        counts["paused"] = self.paused()
+        return counts
+
+    def control(self) -> Any:
+        """The control channel (see control.py here)."""
+        from .control import PgChannel
+
+        self.open()
+        return PgChannel(lambda: self._conn("auto"), self._connect)
+
+    def paused(self) -> dict[str, Any] | None:
+        with _translated(self.location):
+            return self.control().paused()
 
     def metrics(self, on_problem: Callable[[str], None] | None = None) -> dict[str, Any]:
         return super().metrics()

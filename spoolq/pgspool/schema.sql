@@ -133,3 +133,44 @@ LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
                  AND (record::json ->> 'history_dropped') ~ '^[0-9]{1,15}$'
                 THEN (record::json ->> 'history_dropped')::bigint ELSE 0 END
 $$;
+
+-- Requests into live workers (stop, stop now, kill or cancel a run): a
+-- row each, followed by NOTIFY spoolq_control; carried out and deleted by
+-- the worker it names (stop) or the worker running its job (kill).
+CREATE TABLE spoolq.requests (
+    id          bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    body        jsonb NOT NULL,                 -- the request: {request, worker | id, attempt, signal, now, by}
+    at          timestamptz NOT NULL DEFAULT now()
+);
+
+-- The spool is paused (workers claim nothing) while this holds its row.
+CREATE TABLE spoolq.paused (
+    one         boolean PRIMARY KEY DEFAULT true CHECK (one),
+    by_user     text NOT NULL,
+    at          timestamptz NOT NULL DEFAULT now()
+);
+
+-- A job that finishes (done or dead, by whichever path) is told on
+-- spoolq_finished with its id as the payload, at commit: what `wait`
+-- listens to. A worker's registration removed is told on spoolq_workers.
+CREATE FUNCTION spoolq.notify_finished() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_notify('spoolq_finished', NEW.id);
+    RETURN NULL;
+END $$;
+CREATE TRIGGER jobs_finish_told AFTER UPDATE OF state ON spoolq.jobs FOR EACH ROW
+    WHEN (NEW.state IN ('done', 'dead') AND OLD.state IS DISTINCT FROM NEW.state)
+    EXECUTE FUNCTION spoolq.notify_finished();
+CREATE TRIGGER jobs_insert_finished_told AFTER INSERT ON spoolq.jobs FOR EACH ROW
+    WHEN (NEW.state IN ('done', 'dead'))
+    EXECUTE FUNCTION spoolq.notify_finished();
+
+CREATE FUNCTION spoolq.notify_worker_gone() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_notify('spoolq_workers', OLD.worker);
+    RETURN NULL;
+END $$;
+CREATE TRIGGER workers_gone_told AFTER DELETE ON spoolq.workers FOR EACH ROW
+    EXECUTE FUNCTION spoolq.notify_worker_gone();

@@ -1,0 +1,158 @@
+"""The job-control commands of ``spoolq``: wait, kill, stop, pause, resume
+(added to the command group by cli.py; they parse, call ``Spool``, print).
+
+Exit status of ``wait`` (and ``enqueue --wait``, ``logs -f``): 0 every job
+succeeded; 1 one ended otherwise (dead, cancelled); 2 usage or an unknown
+id; 124 the timeout ran out first, as timeout(1) says it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+
+from . import output, record
+from .control import signal_name, signal_number
+from .errors import JobNotFound, NotPossible, RequestPending
+from .jobcontrol import WaitTimeout, describe, succeeded
+from .output import echo, fail
+
+TIMED_OUT = 124
+PENDING = 75
+
+
+def _spool(ctx: click.Context):
+    spool = ctx.find_root().obj
+    output.require_spool(spool)
+    return spool
+
+
+def _seconds(ctx, param, value):
+    if value is None:
+        return None
+    try:
+        return record.parse_duration(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+def report_finished(jobs: dict[str, dict[str, Any]], as_json: bool) -> None:
+    for job_id, job in jobs.items():
+        if as_json:
+            echo(json.dumps(job, ensure_ascii=False, sort_keys=True))
+            continue
+        outcome, said = describe(job)
+        echo(f"{job_id} {outcome}" + (f" {output.one_line(said)}" if said else ""))
+
+
+def wait_and_exit(spool, ids: list[str], timeout: float | None, exit_code: bool, as_json: bool) -> None:
+    """Wait for ``ids``, print a line each, and exit with wait's status."""
+    try:
+        jobs = spool.wait(ids, timeout=timeout)
+    except JobNotFound as e:
+        fail(str(e), 2)
+    except WaitTimeout as e:
+        report_finished(e.finished, as_json)
+        left = [i for i in ids if i not in e.finished]
+        fail(f"timed out waiting for {len(left)} of {len(ids)} jobs: {' '.join(left)}", TIMED_OUT)
+    report_finished(jobs, as_json)
+    if exit_code:
+        job = jobs[ids[0]]
+        code = job.get("exit_code")
+        own = isinstance(code, int) and 0 <= code < 256 and job.get("outcome") != "cancelled"
+        raise SystemExit(code if own else (0 if succeeded(job) else 1))
+    raise SystemExit(0 if all(succeeded(j) for j in jobs.values()) else 1)
+
+
+@click.command()
+@click.argument("job_ids", nargs=-1, required=True, metavar="ID...")
+@click.option("--timeout", callback=_seconds, metavar="DURATION", help="Give up after this long (exit 124).")
+@click.option("--exit-code", is_flag=True, help="Exit with the job's own exit code (one ID).")
+@click.option("--json", "as_json", is_flag=True, help="Print each record as JSON.")
+@click.pass_context
+def wait(ctx, job_ids, timeout, exit_code, as_json):
+    """Wait until the jobs have finished; print one line each.
+
+    Exits 0 when all succeeded, 1 when one ended otherwise (dead,
+    cancelled), 2 for an unknown id, 124 when --timeout ran out.
+
+    \b
+      id=$(spoolq enqueue make report) && spoolq wait "$id"
+    """
+    if exit_code and len(job_ids) != 1:
+        fail("--exit-code takes one ID", 2)
+    output.refuse_bad_ids(job_ids)
+    wait_and_exit(_spool(ctx), list(job_ids), timeout, exit_code, as_json)
+
+
+@click.command()
+@click.argument("job_id", metavar="ID")
+@click.option("--signal", "sig", metavar="SIG", help="Send this signal only (HUP, USR1, 9...): the job goes on.")
+@click.pass_context
+def kill(ctx, job_id, sig):
+    """Cancel a running job: SIGTERM to its processes, SIGKILL after
+    timeout_grace; it ends cancelled, and is not retried."""
+    number = None
+    if sig is not None:
+        try:
+            number = signal_number(sig)
+        except ValueError as e:
+            fail(str(e), 2)
+    output.refuse_bad_ids((job_id,))
+    kill_and_say(_spool(ctx), job_id, number)
+
+
+def kill_and_say(spool, job_id: str, number: int | None) -> None:
+    try:
+        job = spool.kill(job_id, number)
+    except (JobNotFound, NotPossible) as e:
+        fail(str(e), 1)
+    except RequestPending as e:
+        fail(str(e), PENDING)
+    except WaitTimeout:
+        fail(f"job {job_id} was told to stop but still runs", 1)
+    if number is not None:
+        echo(f"sent {signal_name(number)} to job {job_id}")
+        return
+    outcome, said = describe(job)
+    echo(f"cancelled {job_id}" if outcome in ("cancelled", "finished") else f"{job_id} {outcome} {said}".rstrip())
+
+
+@click.command()
+@click.option("--now", is_flag=True, help="Kill running jobs too (they go back to failed/, due now).")
+@click.option("--wait", "wait_", is_flag=True, help="Return once the workers have exited.")
+@click.option("--timeout", callback=_seconds, metavar="DURATION", help="With --wait: give up after this long (124).")
+@click.pass_context
+def stop(ctx, now, wait_, timeout):
+    """Tell every live worker to stop claiming and exit after its running jobs."""
+    spool = _spool(ctx)
+    try:
+        asked = spool.stop_workers(now=now, wait=(timeout or 0) if wait_ else None,
+                                   on_gone=lambda w: echo(f"worker {w} exited"))
+    except TimeoutError as e:
+        fail(str(e), TIMED_OUT)
+    if not asked:
+        echo("no worker running")
+    elif not wait_:
+        echo(f"asked {len(asked)} workers to stop" + (" now" if now else ""))
+
+
+@click.command()
+@click.pass_context
+def pause(ctx):
+    """Workers stay up but claim nothing until `spoolq resume`."""
+    changed = _spool(ctx).pause()
+    echo("paused" if changed else "already paused")
+
+
+@click.command()
+@click.pass_context
+def resume(ctx):
+    """Let the workers claim jobs again after `spoolq pause`."""
+    changed = _spool(ctx).resume()
+    echo("resumed" if changed else "not paused")
+
+
+COMMANDS = (wait, kill, stop, pause, resume)
