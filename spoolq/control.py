@@ -152,10 +152,10 @@ class Listener:
         for token, request in channel.requests():
             kind = request.get("request")
             if kind == "stop" and request.get("worker") == worker.wid:
-                channel.done(token)
                 by = request.get("by", "?")
                 self.log(f"stopping{' now' if request.get('now') else ''}: asked by {by}", 0, None)
                 worker.stop(force=bool(request.get("now")))
+                channel.done(token)  # after the stop: its sender learns it claims no more
             elif kind == "kill":
                 if self._kill(token, request):
                     continue

@@ -15,6 +15,8 @@ from .errors import JobNotFound, NotPossible, RequestPending
 from .owners import user_name
 
 FINISHED = ("done", "dead")
+#: How long ``stop`` waits for the workers to take its request (see _until_taken).
+TAKEN_WITHIN = 10.0
 
 
 class WaitTimeout(Exception):
@@ -151,8 +153,9 @@ class JobControl:
         watch = channel.watch("workers") if wait is not None else None
         try:
             workers = [w["worker"] for w in self.workers()]
-            for worker_id in workers:
-                channel.send({"request": "stop", "worker": worker_id, "now": bool(now), "by": user_name(os.geteuid())})
+            tokens = [channel.send({"request": "stop", "worker": worker_id, "now": bool(now),
+                                    "by": user_name(os.geteuid())}) for worker_id in workers]
+            _until_taken(channel, tokens)
             if watch is None:
                 return workers
             deadline = None if not wait else time.monotonic() + wait
@@ -219,3 +222,15 @@ def _last(job: dict[str, Any], key: str) -> Any:
 
 
 __all__ = ["JobControl", "WaitTimeout", "describe", "finished", "signal_name", "succeeded"]
+
+
+def _until_taken(channel: Any, tokens: list[str]) -> None:
+    """Return once every request is taken (a worker that took its stop
+    claims nothing more), or after TAKEN_WITHIN seconds: a worker stopped
+    by SIGSTOP, or gone, is asked all the same. A short poll: the sender
+    waits only while requests are in flight."""
+    deadline = time.monotonic() + TAKEN_WITHIN
+    while tokens and time.monotonic() < deadline:
+        tokens = [token for token in tokens if channel.pending(token)]
+        if tokens:
+            time.sleep(0.02)
