@@ -273,7 +273,7 @@ def test_a_killed_hosts_job_is_recovered_once_its_session_ends_never_while_it_li
     finally:
         os.kill(worker, signal.SIGCONT)
     host.kill()  # the worker and its job's processes, at once
-    assert not alive(first[0])
+    wait_for(lambda: not alive(first[0]), 30, what="the host's processes to end")
     report = wait_for(lambda: spool.sweep().recovered, 30, what="recovery")
     assert report == 1
     rec = spool.get("long")
