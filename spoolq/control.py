@@ -135,12 +135,37 @@ class Listener:
             select.select([watch.fileno()], [], [])
             if self._stopping:
                 return
-            watch.read(0)
+            try:
+                watch.read(0)
+            except Exception as e:  # the watch broke (a database restarted): watch anew, then look
+                watch = self._watch_again(e)
+                if watch is None:
+                    return
             try:
                 self.look()
             except Exception as e:  # a bad request must not end the worker's ear
                 self.log(f"control request failed: {type(e).__name__}: {e}", 0, logging.WARNING)
             self.channel.release()
+
+    def _watch_again(self, error: Exception) -> Any:
+        """A new watch in place of one that broke (None: stopping)."""
+        text = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
+        self.log(f"control requests unheard ({type(error).__name__}: {text}); watching again", 0, logging.WARNING)
+        delay = 0.1
+        while not self._stopping:
+            try:
+                watch = self.channel.watch("control")
+            except Exception:
+                time.sleep(delay)
+                delay = min(5.0, delay * 2)
+                continue
+            old, self._watch = self._watch, watch
+            try:
+                old.close()
+            except Exception:
+                pass
+            return watch
+        return None
 
     def look(self) -> None:
         """Carry out every request for this worker or its runs."""

@@ -514,8 +514,12 @@ class Worker:
             self._busy_rounds = 0
             self._backoff = UNAVAILABLE_BACKOFF[0]
         if not first and self._pass_claims == 0 and self._finished_since_scan == 0:
-            look = self.backend.next_look()
-            if not look.more and not self._wait(look):
+            try:
+                look = self.backend.next_look()
+            except Unavailable as e:  # (a database out of reach) wait, then look again
+                look = None
+                self._unreachable(e)
+            if look is not None and not look.more and not self._wait(look):
                 return False
         try:
             self.backend.housekeeping(self.commit.commit)

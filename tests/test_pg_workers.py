@@ -1,16 +1,15 @@
-"""Workers of a PostgreSQL spool, as separate processes against a real
-server: claims are exactly once; a dead worker's job is recovered once its
-session has ended and never while it lives (stopped or not); a finish from
-a worker that lost its claim changes nothing; a worker whose session is cut
-or stops answering kills its runs before anyone else can run them; a
-waiting worker wakes at once for a new job.
-
-The workers are tests/pgloop.py, a minimal loop over the backend (claim,
-run, finish, commit)."""
+"""Workers of a PostgreSQL spool, as separate ``spoolq work`` processes
+against a real server, each on a host of its own (its own PID and UTS
+namespaces, where this machine lets the tests make them; else a plain
+process): claims are exactly once; a dead host's job is recovered once its
+worker's session has ended and never while it lives (stopped or not); a
+finish from a worker that lost its claim changes nothing; a worker whose
+session is cut or stops answering kills its runs before anyone else can run
+them; a waiting worker starts a new job at once; a server restart loses
+nothing."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import statistics
@@ -37,24 +36,37 @@ from spoolq.pgspool import PgBackend  # noqa: E402
 from spoolq.pgspool.liveness import HEARTBEAT, LOST_AFTER, RECOVERY_GRACE  # noqa: E402
 from spoolq.pgspool.types import Unavailable  # noqa: E402
 
-LOOP = str(Path(__file__).with_name("pgloop.py"))
+# Handler jobs (kind noop) do nothing.
+APP = "HANDLERS = {'noop': lambda payload: None}\n"
 
-# A job that, as it starts, notes whether a process of an earlier run of
-# it still lives (OVERLAP), then its own pid, then sleeps.
+# A job that, as it starts, notes whether a process of an earlier run of it
+# still lives (OVERLAP: the earlier run still holds the lock, on whichever
+# host it runs), then its attempt, then sleeps holding the lock.
 OVERLAP_SCRIPT = textwrap.dedent("""
-    import os, sys, time
+    import fcntl, os, sys, time
     log = sys.argv[1]
-    def alive(pid):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-        except FileNotFoundError:
-            return False
-    earlier = [int(line) for line in open(log).read().split()] if os.path.exists(log) else []
+    lock = open(log + ".lock", "a")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        overlap = ""
+    except BlockingIOError:
+        overlap = "OVERLAP"
+        fcntl.flock(lock, fcntl.LOCK_EX)
     with open(log, "a") as f:
-        f.write("".join(f"OVERLAP{p}\\n" for p in earlier if alive(p)) + f"{os.getpid()}\\n")
+        f.write(overlap + os.environ["SPOOLQ_ATTEMPT"] + "\\n")
     time.sleep(600)
 """)
+
+
+def _unshare_works() -> bool:
+    try:
+        return subprocess.run(["unshare", "--pid", "--uts", "--fork", "--mount-proc", "hostname", "spoolq-probe"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+HOSTS = _unshare_works()
 
 
 def job(job_id: str, **fields):
@@ -63,53 +75,128 @@ def job(job_id: str, **fields):
     return job_id, record.serialise(record.new_job(fields, job_id, time.time())), None
 
 
-class Loop:
-    """One worker process (tests/pgloop.py) and what it said."""
+def children() -> dict[int, list[int]]:
+    """Every process's children, by parent pid."""
+    found: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            found.setdefault(ppid, []).append(int(entry))
+    return found
+
+
+def tree(pid: int) -> list[int]:
+    """``pid`` and its descendants, parents first."""
+    kids, found = children(), [pid]
+    for p in found:
+        found.extend(kids.get(p, []))
+    return found
+
+
+def run_pids(log: Path) -> list[int]:
+    """The live processes of the runs of an overlap job (by its log, given
+    as their argument), on any host."""
+    found = []
+    arg = str(log).encode()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if arg in f.read().split(b"\0") and alive(int(entry)):
+                        found.append(int(entry))
+            except OSError:
+                continue
+    return found
+
+
+class Host:
+    """One ``spoolq work`` process on a host of its own, and what it logged."""
 
     def __init__(self, url: str, folder: Path, watch: bool = True):
-        self.out = folder / f"loop-{os.urandom(4).hex()}.log"
-        argv = [sys.executable, LOOP, url] + (["--watch"] if watch else [])
+        self.name = f"spoolq-host-{os.urandom(3).hex()}"
+        self.out = folder / f"{self.name}.log"
+        argv = [sys.executable, "-m", "spoolq", "-s", url, "work", "--app", "noopapp:HANDLERS"]
+        argv += ["--watch"] if watch else []
+        if HOSTS:
+            # The shell stays the namespace's init (its last command is not
+            # exec'd): killing it kills everything on the host at once.
+            argv = ["unshare", "--pid", "--uts", "--fork", "--mount-proc", "sh", "-c",
+                    'hostname "$0" && "$@"; exit $?', self.name] + argv
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")])))
         with open(self.out, "w") as f:
-            self.proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT)
-        self.worker = wait_for(lambda: self.first("registered"), 60, what="the worker to register")["worker"]
+            self.proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=folder)
+        self.url = url
+        self.worker = wait_for(self._registered, 60, what="the worker to register")
 
-    def events(self, kind: str | None = None) -> list[dict]:
-        found = []
-        for line in self.out.read_text().splitlines():
+    def _registered(self) -> str | None:
+        where, key = ("host", self.name) if HOSTS else ("pid", self.proc.pid)
+        with psycopg.connect(self.url) as conn:
+            row = conn.execute(f"SELECT worker FROM spoolq.workers WHERE {where} = %s ORDER BY id DESC LIMIT 1",
+                               (key,)).fetchone()
+        return row[0] if row else None
+
+    def log(self) -> str:
+        return self.out.read_text()
+
+    def worker_pid(self) -> int:
+        """The worker process (as this machine numbers it)."""
+        if not HOSTS:
+            return self.proc.pid
+        for pid in tree(self.proc.pid):
             try:
-                event = json.loads(line)
-            except ValueError:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if b"spoolq" in f.read().split(b"\0") and pid != self.proc.pid:
+                        return pid
+            except OSError:
                 continue
-            if kind is None or event.get("event") == kind:
-                found.append(event)
-        return found
-
-    def first(self, kind: str, **match) -> dict | None:
-        return next((e for e in self.events(kind) if all(e.get(k) == v for k, v in match.items())), None)
+        raise AssertionError(f"no worker process on {self.name}")
 
     def kill(self) -> None:
+        """SIGKILL the whole host: the worker and every process of its runs."""
+        if HOSTS:
+            for init in children().get(self.proc.pid, []):
+                os.kill(init, signal.SIGKILL)  # the namespace's init: the kernel kills the rest
+        else:
+            found = tree(self.proc.pid)
+            for pid in found:
+                try:
+                    os.kill(pid, signal.SIGSTOP)  # nobody forks or reaps while the tree is collected
+                except ProcessLookupError:
+                    pass
+            for pid in tree(self.proc.pid) + found:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(timeout=60)
 
 
 @pytest.fixture
-def loops(pg_spool_url, tmp_path):
-    """Start workers; at the end they are killed and a sweep kills what their runs left."""
-    started: list[Loop] = []
+def hosts(pg_spool_url, tmp_path):
+    """Start workers on hosts of their own; at the end the hosts are killed
+    and a sweep kills what their runs left."""
+    (tmp_path / "noopapp.py").write_text(APP)
+    started: list[Host] = []
 
-    def start(watch: bool = True) -> Loop:
-        loop = Loop(pg_spool_url, tmp_path, watch)
-        started.append(loop)
-        return loop
+    def start(watch: bool = True) -> Host:
+        host = Host(pg_spool_url, tmp_path, watch)
+        started.append(host)
+        return host
 
     yield start
-    for loop in started:
-        try:
-            os.kill(loop.proc.pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
-        loop.kill()
+    for host in started:
+        for pid in tree(host.proc.pid):
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        host.kill()
     backend = PgBackend(pg_spool_url)
     try:
         backend.sweep()
@@ -133,37 +220,45 @@ def session_pid(url: str, worker: str) -> int:
 def overlap_job(spool, tmp_path: Path, job_id: str = "long") -> Path:
     script = tmp_path / "overlap.py"
     script.write_text(OVERLAP_SCRIPT)
-    log = tmp_path / f"{job_id}.pids"
+    log = tmp_path / f"{job_id}.runs"
     spool.enqueue([job(job_id, argv=[sys.executable, str(script), str(log)])])
     return log
 
 
-def pids(log: Path) -> list[str]:
+def runs(log: Path) -> list[str]:
     return log.read_text().split() if log.exists() else []
 
 
-def test_several_workers_drain_thousands_of_jobs_each_exactly_once(spool, loops):
+def history(url: str) -> list[tuple]:
+    """(job, worker, start, error) of every run of every job."""
+    with psycopg.connect(url) as conn:
+        return conn.execute("SELECT id, h ->> 'worker', spoolq.epoch(h -> 'start'), h ->> 'error' "
+                            "FROM spoolq.jobs, json_array_elements(record::json -> 'history') AS h").fetchall()
+
+
+def test_several_workers_drain_thousands_of_jobs_each_exactly_once(spool, hosts):
     n = 3000
     spool.enqueue([job(f"j{i:05d}") for i in range(n)])
-    workers = [loops(watch=False) for _ in range(4)]
+    workers = [hosts(watch=False) for _ in range(4)]
     for w in workers:
-        assert w.proc.wait(timeout=600) == 0, w.out.read_text()[-2000:]
-    finished = [e["id"] for w in workers for e in w.events("finished")]
-    assert len(finished) == n and len(set(finished)) == n
-    assert all(not e["lost"] and e["state"] == "done" for w in workers for e in w.events("finished"))
-    assert sum(1 for w in workers if w.events("finished")) >= 2  # they shared the work
+        assert w.proc.wait(timeout=600) == 0, w.log()[-2000:]
     counts = spool.counts()
     assert (counts["done"], counts["new"], counts["cur"]) == (n, 0, 0)
-    with psycopg.connect(spool.url) as conn:
-        runs = conn.execute("SELECT count(*) FROM spoolq.jobs, spoolq.runs_of(record)").fetchone()[0]
-    assert runs == n  # one run each
+    ran = history(spool.url)
+    assert len(ran) == n and len({r[0] for r in ran}) == n  # one run each
+    assert all(r[3] is None for r in ran)
+    assert len({r[1] for r in ran}) >= 2  # they shared the work
+    assert {r[1] for r in ran} <= {w.worker for w in workers}
 
 
-def test_a_killed_workers_job_is_recovered_once_its_session_ends_never_while_it_lives(spool, loops, tmp_path):
+def test_a_killed_hosts_job_is_recovered_once_its_session_ends_never_while_it_lives(spool, hosts, tmp_path):
     log = overlap_job(spool, tmp_path)
-    worker = loops()
-    first = int(wait_for(lambda: pids(log), 60, what="the job to start")[0])
-    os.kill(worker.proc.pid, signal.SIGSTOP)
+    host = hosts()
+    wait_for(lambda: runs(log), 60, what="the job to start")
+    first = run_pids(log)
+    assert len(first) == 1, first
+    worker = host.worker_pid()
+    os.kill(worker, signal.SIGSTOP)
     try:
         # Stopped, its session lives: however long, nobody takes its job.
         deadline = time.monotonic() + RECOVERY_GRACE + 2 * HEARTBEAT + 1
@@ -173,18 +268,19 @@ def test_a_killed_workers_job_is_recovered_once_its_session_ends_never_while_it_
             time.sleep(0.5)
         assert spool.sweep().recovered == 0
         rec = spool.get("long")
-        assert rec["state"] == "cur" and rec["worker"] == worker.worker and not rec.get("abandoned")
+        assert rec["state"] == "cur" and rec["worker"] == host.worker and not rec.get("abandoned")
+        assert alive(first[0])
     finally:
-        os.kill(worker.proc.pid, signal.SIGCONT)
-    worker.kill()  # the worker alone: its job's process lives on, in a session of its own
-    assert alive(first)
+        os.kill(worker, signal.SIGCONT)
+    host.kill()  # the worker and its job's processes, at once
+    wait_for(lambda: not alive(first[0]), 30, what="the host's processes to end")
     report = wait_for(lambda: spool.sweep().recovered, 30, what="recovery")
     assert report == 1
     rec = spool.get("long")
     assert rec["state"] == "failed" and rec["attempts"] == 1
     assert rec["history"][0]["error"] == "interrupted: the worker running it died"
-    assert not alive(first)  # recovery on the worker's host killed what the run left
     assert spool.sweep().recovered == 0  # once
+    assert runs(log) == ["1"]
 
 
 def test_a_finish_from_a_worker_that_lost_its_claim_changes_nothing(spool, pg_spool_url):
@@ -215,73 +311,86 @@ def test_a_finish_from_a_worker_that_lost_its_claim_changes_nothing(spool, pg_sp
         reg1.close()
 
 
-def test_a_cut_session_ends_the_runs_before_anyone_runs_the_job_again(spool, loops, tmp_path, pg_spool_url):
+def test_a_cut_session_ends_the_runs_before_anyone_runs_the_job_again(spool, hosts, tmp_path, pg_spool_url):
     log = overlap_job(spool, tmp_path)
-    workers = [loops(), loops()]
-    first = int(wait_for(lambda: pids(log), 60, what="the job to start")[0])
+    workers = [hosts(), hosts()]
+    wait_for(lambda: runs(log), 60, what="the job to start")
+    first = run_pids(log)
+    assert len(first) == 1, first
     runner = spool.get("long")["worker"]
     cut = time.monotonic()
     with psycopg.connect(pg_spool_url, autocommit=True) as conn:
         conn.execute("SELECT pg_terminate_backend(%s)", (session_pid(pg_spool_url, runner),))
-    wait_for(lambda: not alive(first), 30, interval=0.01, what="the run to be killed")
+    wait_for(lambda: not alive(first[0]), 30, interval=0.01, what="the run to be killed")
     killed_after = time.monotonic() - cut
     assert killed_after < RECOVERY_GRACE  # seen at once, killed before recovery could take the job
-    wait_for(lambda: len(pids(log)) >= 2, 60, what="the job to run again")
-    assert not any(p.startswith("OVERLAP") for p in pids(log)), pids(log)
+    wait_for(lambda: len(runs(log)) >= 2, 60, what="the job to run again")
+    assert runs(log) == ["1", "2"]  # no OVERLAP: the first run had ended
     rec = spool.get("long")
     assert rec["history"][0]["error"].startswith("interrupted: the worker lost its database session")
     owner = next(w for w in workers if w.worker == runner)
-    assert any("lost its database session" in e["text"] for e in owner.events("log"))
+    assert "lost its database session" in owner.log()
+    assert all(w.proc.poll() is None for w in workers)
 
 
-def test_a_worker_whose_session_stops_answering_kills_its_runs(spool, loops, tmp_path, pg_spool_url):
+def test_a_worker_whose_session_stops_answering_kills_its_runs(spool, hosts, tmp_path, pg_spool_url):
     log = overlap_job(spool, tmp_path)
-    worker = loops()
-    first = int(wait_for(lambda: pids(log), 60, what="the job to start")[0])
-    backend_pid = session_pid(pg_spool_url, worker.worker)
+    host = hosts()
+    wait_for(lambda: runs(log), 60, what="the job to start")
+    first = run_pids(log)
+    assert len(first) == 1, first
+    backend_pid = session_pid(pg_spool_url, host.worker)
     os.kill(backend_pid, signal.SIGSTOP)  # as a partition looks to the worker: no answer
     stopped = time.monotonic()
     try:
-        wait_for(lambda: not alive(first), LOST_AFTER + HEARTBEAT + 30, interval=0.02, what="the run to be killed")
+        wait_for(lambda: not alive(first[0]), LOST_AFTER + HEARTBEAT + 30, interval=0.02, what="the run to be killed")
         assert time.monotonic() - stopped < LOST_AFTER + HEARTBEAT + 5
-        wait_for(lambda: len(pids(log)) >= 2, 60, what="the job to run again (under a new session)")
-        assert not any(p.startswith("OVERLAP") for p in pids(log)), pids(log)
+        wait_for(lambda: len(runs(log)) >= 2, 60, what="the job to run again (under a new session)")
+        assert runs(log) == ["1", "2"]  # no OVERLAP: the first run had ended
     finally:
         os.kill(backend_pid, signal.SIGCONT)
-    assert any("no answer from the server" in e["text"] for e in worker.events("log"))
+    assert "no answer from the server" in host.log()
 
 
-def test_a_waiting_worker_picks_a_new_job_up_within_100_ms(spool, loops):
-    worker = loops()
+def test_a_waiting_worker_starts_a_new_job_within_100_ms(spool, hosts):
+    host = hosts()
     spool.enqueue([job("warm")])
-    wait_for(lambda: worker.first("finished", id="warm"), 30, what="the first job")
+    wait_for(lambda: spool.get("warm")["state"] == "done", 30, what="the first job")
     latencies = []
     for i in range(20):
         time.sleep(0.2)  # the worker is waiting again
         sent = time.time()
         spool.enqueue([job(f"w{i}")])
-        claimed = wait_for(lambda: worker.first("claimed", id=f"w{i}"), 30, interval=0.005, what=f"w{i}")
-        latencies.append(claimed["at"] - sent)
+        wait_for(lambda: spool.get(f"w{i}")["state"] == "done", 30, interval=0.005, what=f"w{i}")
+        started = next(r[2] for r in history(spool.url) if r[0] == f"w{i}")
+        latencies.append(started - sent)
+    # The median: a loaded machine may hold back the odd wake-up, never most.
     assert statistics.median(latencies) < 0.1, latencies
+    assert all(lat > 0 for lat in latencies), latencies
 
 
-def test_a_server_restarted_under_load_loses_nothing(pg_server, spool, loops):
+def test_a_server_restarted_under_load_loses_nothing(pg_server, spool, hosts):
     n = 1500
     spool.enqueue([job(f"r{i:05d}") for i in range(n)])
-    workers = [loops(), loops()]
-    wait_for(lambda: sum(len(w.events("finished")) for w in workers) >= 200, 120, what="the drain to get going")
-    pg_server.restart()
+    workers = [hosts(), hosts()]
 
-    def done() -> bool:
+    def finished() -> int:
         try:
-            return spool.counts()["done"] == n
+            return spool.counts()["done"]
         except Unavailable:
-            return False
+            return 0
 
-    wait_for(done, 300, interval=0.5, what="every job to be done")
+    wait_for(lambda: finished() >= 200, 120, what="the drain to get going")
+    pg_server.restart()
+    wait_for(lambda: finished() == n, 300, interval=0.5, what="every job to be done")
     counts = spool.counts()
     assert (counts["new"], counts["cur"], counts["failed"], counts["dead"]) == (0, 0, 0, 0)
-    with psycopg.connect(spool.url) as conn:
-        ok = conn.execute("SELECT count(*) FROM spoolq.jobs, spoolq.runs_of(record) WHERE NOT failed").fetchone()[0]
-    assert ok == n  # one successful run each
+    ok = [r for r in history(spool.url) if r[3] is None]
+    assert len(ok) == n and len({r[0] for r in ok}) == n  # one successful run each
     assert all(w.proc.poll() is None for w in workers)  # the workers rode it out
+    # ... and still hear what is asked of them, and wake for new jobs.
+    spool.enqueue([job("after")])
+    wait_for(lambda: spool.get("after")["state"] == "done", 60, what="a job enqueued after the restart")
+    subprocess.run([sys.executable, "-m", "spoolq", "-s", spool.url, "stop"], check=True, timeout=120)
+    for w in workers:
+        assert w.proc.wait(timeout=120) == 0, w.log()[-2000:]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import threading
 import time
 from typing import Any, Callable, Iterator
@@ -280,8 +281,10 @@ class PgBackend:
 
     def waker(self, poll: float | None = None, log: Any = None) -> PgWaker:
         """What wakes a waiting worker: LISTEN/NOTIFY (``poll`` adds nothing:
-        the worker's rescans are timed by its rescan interval)."""
-        return PgWaker(lambda: self._connect(), log=log or self.log)
+        the worker's rescans are timed by its rescan interval). ``log``: the
+        worker's log (its ``line``) or a port Log, else this backend's."""
+        line = getattr(log, "line", None) or log or self.log
+        return PgWaker(lambda: self._connect(), log=lambda text: line(text, 0, logging.WARNING))
 
     @_db
     def recover(self) -> Report:
