@@ -191,7 +191,7 @@ def _is_number(v: Any) -> bool:
 def _text(text: str, what: str) -> None:
     """What a job runs is text: no NUL (no C string holds it), and valid
     UTF-8, as JSON is. A byte that is not UTF-8, which a shell's argument
-    may hold, becomes a lone surrogate in a Python string (\udcff) and can
+    may hold, becomes a lone surrogate in a Python string (\\udcff) and can
     be written in JSON as such an escape; refused in every such field, by
     ``spoolq enqueue`` and the worker alike (and by contrib/spoolq-drop)."""
     if "\x00" in text:

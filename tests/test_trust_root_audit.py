@@ -249,7 +249,7 @@ def test_a_job_run_as_a_member_gets_none_of_the_root_workers_environment(users):
         "PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": web.home, "USER": web.name, "LOGNAME": web.name,
         "SHELL": "/bin/sh", "MINE": "kept"}, env
     assert {k for k in env if k not in ("PATH", "HOME", "USER", "LOGNAME", "SHELL", "MINE", "PWD", "SHLVL", "_")} == {
-        "SPOOLQ_JOB_ID", "SPOOLQ_ATTEMPT", "SPOOLQ_SPOOL", "SPOOLQ_WORKER", "SPOOLQ_COMMAND"}, env
+        "SPOOLQ_JOB_ID", "SPOOLQ_ATTEMPT", "SPOOLQ_SPOOL", "SPOOLQ_WORKER", "SPOOLQ_COMMAND", "SPOOLQ_HEARTBEAT"}, env
     # Root's own jobs run in the worker's environment, as every worker's jobs do.
     assert "DB_PASSWORD=hunter2" in _show(users, spool, roots)["stdout"]
 

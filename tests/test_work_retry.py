@@ -134,9 +134,11 @@ def test_cancel_waiting_jobs_but_not_running_or_finished(fast_spool):
     worker = s.popen("work", stderr=open(os.devnull, "w"))
     try:
         wait_for(lambda: s.ids("cur") == [running], what="the job to start")
-        proc = s.run("cancel", running, check=False)
-        assert proc.returncode == 1 and "running" in proc.stderr
-        assert s.where(running) == ["cur"]
+        proc = s.run("cancel", running, check=False)  # a running job is killed, not retried
+        assert proc.returncode == 0, proc.stderr
+        assert worker.wait(timeout=60) == 0
+        job = s.show(running)
+        assert job["state"] == "done" and job["outcome"] == "cancelled"
     finally:
         worker.kill()
         worker.wait()
