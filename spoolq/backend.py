@@ -1,7 +1,7 @@
 """The storage port: ``Backend``, what the facade, the read side, the CLI,
 metrics and the worker loop ask of a spool, and the neutral values it
 hands back (``Claim``, ``Finished``, ``Look``, ``Report``, ``WorkerReg``,
-``Commit``, ``Unavailable``).
+``Commit``, ``Unavailable``, ``LiveSink``).
 
 A backend is one object per open spool: the directory spool
 (spoolq/dirspool/) or the PostgreSQL spool (spoolq/pgspool/). Nothing here
@@ -153,6 +153,23 @@ class Commit(Protocol):
     def stop(self, stop: threading.Event) -> None: ...
 
 
+class LiveSink(Protocol):
+    """Where a worker's pump (liveout.py) keeps its running jobs' output
+    for ``Backend.output`` readers (``Backend.live_output``)."""
+
+    def put(self, job_id: str, stream: str, start: int, data: bytes) -> None:
+        """Bytes ``start`` to ``start + len(data)`` of ``stream`` ("stdout",
+        "stderr") of the job's run (a first put, even of nothing, makes its
+        live output exist); what lies more than log_limit bytes before the
+        end may be let go."""
+    def told(self, job_ids: list[str]) -> None:
+        """After a round of puts: wake the readers of these jobs."""
+    def remove(self, job_id: str) -> None:
+        """The run ended: its live output goes (the job's finish, and
+        recovery of a dead worker's job, remove it too)."""
+    def close(self) -> None: ...
+
+
 class Backend(Protocol):
     """One open spool, whatever it is stored in."""
 
@@ -241,6 +258,15 @@ class Backend(Protocol):
         """Who paused the spool and when (``by``, ``at``), or None."""
     def stop_work(self) -> None:
         """The worker is done with the spool (the spool stays open for its other users)."""
+
+    # -- running jobs' output ----------------------------------------------
+    def live_output(self) -> LiveSink:
+        """Where this worker's running jobs' output goes (one per worker)."""
+    def output(self, job_id: str, stream: str, offset: int) -> tuple[bytes, int] | None:
+        """What is kept of ``stream`` of a running job from ``offset`` on
+        (bytes let go are skipped: the bytes begin at ``next - len``) and
+        the offset after them; None when it has no live output (not
+        running, not yet pushed, or not the caller's to read)."""
 
 
 class PlainCommit:

@@ -31,6 +31,7 @@ DEFAULTS: dict[str, Any] = {
     "timeout_grace": 5,
     "fsync": True,
     "output_limit": 8192,
+    "log_limit": 65536,
     "max_job_bytes": 1048576,
     "trusted_users": [],
     "allow_commands": True,
@@ -52,6 +53,7 @@ HELP = {
     "timeout_grace": "seconds between SIGTERM and SIGKILL when a run times out",
     "fsync": "make enqueues and outcomes durable against power loss",
     "output_limit": "bytes of stdout and of stderr kept in the record (the tail)",
+    "log_limit": "bytes of stdout and of stderr of a running job kept for `logs` (the latest; 0 = none)",
     "max_job_bytes": "largest job file that is read; larger ones go to dead/",
     "trusted_users": "users besides the worker's own, the spool's owner and root whose job files run",
     "allow_commands": "run command and argv jobs (false: they go to dead/, enqueue refuses them)",
@@ -211,7 +213,7 @@ def check(key: str, value: Any, stored: bool = False) -> Any:
         raise ConfigError(unknown(key))
     if key == "max_attempts":
         return _number(key, value, 1, integer=True)
-    if key in ("output_limit", "compact_after"):
+    if key in ("output_limit", "log_limit", "compact_after"):
         return _number(key, value, 0, integer=True)
     if key == "max_job_bytes":
         return _number(key, value, 1, integer=True)

@@ -1,5 +1,5 @@
-"""The job-control commands of ``spoolq``: wait, kill, stop, pause, resume
-(added to the command group by cli.py; they parse, call ``Spool``, print).
+"""The job-control commands of ``spoolq``: wait, kill, stop, pause, resume,
+logs (added to the command group by cli.py; they parse, call ``Spool``, print).
 
 Exit status of ``wait`` (and ``enqueue --wait``, ``logs -f``): 0 every job
 succeeded; 1 one ended otherwise (dead, cancelled); 2 usage or an unknown
@@ -155,4 +155,45 @@ def resume(ctx):
     echo("resumed" if changed else "not paused")
 
 
-COMMANDS = (wait, kill, stop, pause, resume)
+@click.command()
+@click.argument("job_id", metavar="ID")
+@click.option("-f", "--follow", is_flag=True, help="Follow the output as it is written until the job ends; "
+              "exit as `wait` does.")
+@click.option("--stderr", "which", flag_value="stderr", help="Its stderr instead (printed on stdout).")
+@click.option("--both", "which", flag_value="both", help="Both: its stdout on stdout, its stderr on stderr.")
+@click.pass_context
+def logs(ctx, job_id, follow, which):
+    """A job's output: a running job's so far, a finished one's stored
+    tail. With -f, followed until the job ends (a waiting job: from its
+    start), then exit 0 if it succeeded, 1 otherwise.
+
+    \b
+      id=$(spoolq enqueue make report) && spoolq logs -f "$id"
+    """
+    output.refuse_bad_ids((job_id,))
+    spool = _spool(ctx)
+    streams = {"stderr": ("stderr",), "both": ("stdout", "stderr")}.get(which, ("stdout",))
+    both = which == "both"
+
+    def shown(piece) -> None:
+        if piece.skipped:
+            kept = "only its tail is kept" if piece.stored else f"older output is let go past log_limit"
+            output.note(f"job {job_id}'s {piece.stream}: {piece.skipped} earlier bytes are not shown ({kept})")
+        output.write_bytes(piece.data, to_stderr=both and piece.stream == "stderr")
+
+    def waiting(job) -> None:
+        if job.get("readable") is False and job.get("state") in ("done", "dead", "failed"):
+            output.note(f"job {job_id}'s output is in its record, which only the spool's owner reads "
+                        "until it is compacted")
+        elif not follow:
+            output.note(f"job {job_id} has not started yet (it is {job.get('state')}); -f waits for it")
+
+    try:
+        job = spool.logs(job_id, streams, follow, shown, waiting)
+    except JobNotFound as e:
+        fail(str(e), 2)
+    if follow:
+        raise SystemExit(0 if succeeded(job) else 1)
+
+
+COMMANDS = (wait, kill, stop, pause, resume, logs)

@@ -37,6 +37,34 @@ def echo(text: str = "", err: bool = False, nl: bool = True) -> None:
     stream.flush()
 
 
+def note(text: str) -> None:
+    """``spoolq: text`` on stderr, a line that is no error."""
+    echo(f"spoolq: {one_line(text)}", err=True)
+
+
+def write_bytes(data: bytes, to_stderr: bool = False) -> None:
+    """A job's output as it wrote it, flushed: the bytes themselves into a
+    pipe or a file; on a terminal, lines escaped as ``show`` prints them
+    (the output may hold escape sequences a terminal would act on)."""
+    stream = sys.stderr if to_stderr else sys.stdout
+    if stream is None:
+        if to_stderr:
+            return
+        raise OSError(errno.EBADF, "standard output is closed")
+    stream.flush()
+    if stream.isatty():
+        text = data.decode("utf-8", "replace")
+        stream.write("\n".join(output_line(line) for line in text.split("\n")))
+        stream.flush()
+        return
+    buffer = getattr(stream, "buffer", None)
+    if buffer is None:
+        stream.write(data.decode("utf-8", "replace"))
+    else:
+        buffer.write(data)
+    stream.flush()
+
+
 def dumps(obj: Any, **kw: Any) -> str:
     """JSON for output: UTF-8 where possible, escaped where not. Characters
     JSON leaves raw that a terminal may act on (C1 controls such as U+009B,

@@ -506,7 +506,10 @@ ERROR_LIMIT = 2000  # characters of a run's error message kept in the record
 
 # What one run leaves in a record besides its history entry: cleared before
 # the next run's are written, and by a cancel or a retry.
-RUN_FIELDS = frozenset(("exit_code", "error", "stdout", "stderr", "result", "result_dropped", "outcome"))
+RUN_FIELDS = frozenset(("exit_code", "error", "stdout", "stderr", "stdout_from", "stderr_from", "result",
+                        "result_dropped", "outcome"))
+#: A tail's field and the field saying how many bytes of its stream came before it.
+TAIL_FROM = (("stdout", "stdout_from"), ("stderr", "stderr_from"))
 
 
 def capped_error(error: str | None) -> str | None:
@@ -568,8 +571,12 @@ def add_finish(job: dict, out: Outcome, attempt: int, due: float, worker_id: str
         entry["error"] = results["error"] = error
     if out.stdout:
         results["stdout"] = out.stdout
+        if out.stdout_from:
+            results["stdout_from"] = out.stdout_from
     if out.stderr:
         results["stderr"] = out.stderr
+        if out.stderr_from:
+            results["stderr_from"] = out.stderr_from
     if out.has_result:
         results["result"] = out.result
     add_run(job, entry, results)
@@ -612,7 +619,7 @@ def fitted(job: dict, limit: int) -> bytes:
     the oldest history entries (counted). The job's own fields are never
     cut: for a job that leaves no room, see RECORD_SLACK."""
     data = dumps(job)
-    for key in ("stdout", "stderr"):
+    for key, from_key in TAIL_FROM:
         while len(data) > limit and isinstance(job.get(key), str):
             text = job[key]
             keep = len(text) - (len(data) - limit) - 256
@@ -620,6 +627,9 @@ def fitted(job: dict, limit: int) -> bytes:
                 job[key] = text[-keep:]
             else:
                 del job[key]
+            if type(job.get(from_key, 0)) is int:  # the cut start counts as written before the tail
+                job[from_key] = job.get(from_key, 0) + len(text.encode("utf-8", "replace")) - \
+                    len(job.get(key, "").encode("utf-8", "replace"))
             data = dumps(job)
     if len(data) > limit and "result" in job:
         size = len(dumps(job["result"]))
@@ -684,6 +694,8 @@ class Outcome:
     error: str | None = None
     stdout: str | None = None
     stderr: str | None = None
+    stdout_from: int = 0  # bytes of stdout written before its kept tail
+    stderr_from: int = 0
     result: Any = NO_RESULT
     permanent: bool = False
     timed_out: bool = False

@@ -76,6 +76,8 @@ class RunHandle:
     interrupted: bool = False
     inline: bool = False
     cancelled: str | None = None  # who asked for the run to be cancelled (see cancel)
+    outputs: tuple[int, int] | None = None  # its stdout and stderr files, while it runs (read by the worker's Pump)
+    keep: int = 0  # the bytes at the end of each that capturing never lets go (see kept_from)
     # Re-entrant: kill() runs in a signal handler on the main thread, which
     # may have been interrupted while holding this lock.
     _lock: threading.RLock = field(default_factory=threading.RLock)
@@ -333,12 +335,17 @@ def _stdin_devnull() -> int:
     return _devnull_fd
 
 
-def _tail(fd: int, limit: int) -> str:
+def _tail(fd: int, limit: int) -> tuple[str, int]:
+    """The last ``limit`` bytes written to ``fd`` as text, and where in
+    the stream that text begins: what was written before it, in bytes,
+    reckoned from the text as stored (so that the stored text, encoded,
+    ends exactly where the stream ended)."""
     size = os.fstat(fd).st_size
     if limit <= 0 or size == 0:
-        return ""
+        return "", size
     data = os.pread(fd, limit, max(0, size - limit))
-    return data.decode("utf-8", errors="replace")
+    text = data.decode("utf-8", errors="replace")
+    return text, max(0, size - (len(data) if text.isascii() else len(text.encode("utf-8"))))
 
 
 def _wait_exit(pid: int, pidfd: int | None, timeout: float | None, spin_until: float | None = None) -> bool:
@@ -394,6 +401,14 @@ def _trim(fd: int, keep: int) -> tuple[int, int]:
         return size, st.st_mtime_ns
     linux.punch_hole(fd, (size - keep) & ~4095)
     return size, st.st_mtime_ns
+
+
+def kept_from(size: int, keep: int) -> int:
+    """The first offset of a captured output of ``size`` bytes sure to be
+    kept (see _trim: what it frees lies before ``size - keep``). Found by
+    reckoning, not by lseek(SEEK_DATA), which would move the file offset
+    the job's process writes at."""
+    return 0 if size <= max(TRIM_ABOVE, 4 * keep) else size - keep
 
 
 def _next_trim(wait: float, grown: int) -> float:
@@ -509,6 +524,7 @@ class RunPlan:
     spent: list[int] | None = None
     spin: float = 0.0
     user: Any = None  # a password entry: run the command as this user (a root worker)
+    on_exit: Callable[[RunHandle], None] | None = None  # told once its process is reaped, before its files are read and closed
 
 
 def run_process(job: dict, plan: RunPlan) -> Outcome:
@@ -547,6 +563,8 @@ def _run(plan: RunPlan, how: "_Exec | _Fork") -> Outcome:
             out.end = time.time()
             return out
         handle.pid = proc.pid
+        handle.keep = limits.output_limit
+        handle.outputs = outputs
         started_up = True  # its files may now wait in ``spent``: the next spawn closes them
         try:
             try:
@@ -582,12 +600,19 @@ def _run(plan: RunPlan, how: "_Exec | _Fork") -> Outcome:
         elif out.cancelled:
             out.error = cancelled_error(out.cancelled)
         more_stderr = how.finish(out, code)
-        out.stdout = _tail(outputs[0], limits.output_limit)
-        out.stderr = _tail(outputs[1], limits.output_limit)
-        if more_stderr is not None:
+        out.stdout, out.stdout_from = _tail(outputs[0], limits.output_limit)
+        out.stderr, out.stderr_from = _tail(outputs[1], limits.output_limit)
+        if more_stderr:
             out.stderr = _tail_text(out.stderr + more_stderr, limits.output_limit)
+            out.stderr_from = 0  # (a traceback follows what the process wrote: no longer one stream)
         return out
     finally:
+        if started_up and plan.on_exit is not None:
+            try:
+                plan.on_exit(handle)
+            except Exception:
+                pass  # its live output is a convenience; the run's outcome is not
+        handle.outputs = None
         how.close()
         if plan.spent is not None and started_up:
             plan.spent.extend(fds)

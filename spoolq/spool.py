@@ -34,6 +34,7 @@ from .errors import (  # noqa: F401 - importable from here too
 from .backend import Unavailable
 from .ids import id_problem, new_id
 from .owners import swappable, user_name
+from .follow import Logs
 from .jobcontrol import JobControl
 
 #: What ``pip`` installs for a PostgreSQL spool.
@@ -53,7 +54,7 @@ def open_backend(location: str) -> Any:
     return DirBackend(location)
 
 
-class Spool(JobControl):
+class Spool(JobControl, Logs):
     """A spool: enqueue, inspect, cancel, retry and run jobs.
 
     ``Spool()`` uses ``$SPOOLQ_DIR``, else ``./spool``: a directory path, or

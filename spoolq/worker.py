@@ -42,6 +42,7 @@ from .backend import Backend, Claim, Unavailable, WorkerReg
 from .control import Listener
 from .errors import ForcedStop, ForkServerGone
 from .forkserver import ForkServer
+from .liveout import Pump
 from .outcomes import Recorder
 from .output import Log, as_log  # noqa: F401 - Log: importable from here too
 from .record import Outcome
@@ -210,6 +211,7 @@ class Worker:
         self._running: dict[int, RunHandle] = {}  # thread id -> the run it is doing
         self._jobs: dict[str, tuple[RunHandle, int, int]] = {}  # job id -> (its run, thread id, attempt)
         self.listener: Listener | None = None  # carries out stop, pause and kill requests
+        self.pump: Pump | None = None  # pushes running jobs' output where `spoolq logs` reads it
         self.paused = False
         self.strategy: Serial | Slots = Serial(self, self.tuning) if jobs == 1 else Slots(self, jobs)
         self.recorder = Recorder(self)
@@ -364,6 +366,8 @@ class Worker:
             self.registration.on_lost(self._lost)
             self.listener = Listener(backend.control(), self, self._control_line, procs.signals_to_main_thread)
             self.listener.start()
+            self.pump = Pump(backend.live_output, self.settings, self._pump_line, procs.signals_to_main_thread)
+            self.pump.start()
         except BaseException:
             for sig, old in old_handlers.items():
                 signal.signal(sig, old)
@@ -400,6 +404,8 @@ class Worker:
             self.commit.stop(committer_stop)
             if self.listener:
                 self.listener.stop()
+            if self.pump:
+                self.pump.stop()
             if self.waker:
                 self.waker.stop()
             for sig, old in old_handlers.items():
@@ -418,6 +424,9 @@ class Worker:
         another worker's to recover; the backend registers again."""
         self.log.line(f"worker={self.wid} lost its registration: {why}; its running jobs were killed "
                       "and are recovered as a dead worker's", 0, logging.ERROR)
+
+    def _pump_line(self, text: str) -> None:
+        self.log.line(f"worker={self.wid} {text}", 0, logging.WARNING)
 
     def _backend_line(self, text: str, level: int = 0, severity: int | None = None) -> None:
         """What the backend tells (a job set aside, a pickup, a compaction), as this worker's."""
@@ -665,13 +674,19 @@ class Worker:
         job, job_id = claimed.job, claimed.job_id
         reg, strategy = self.registration, self.strategy
 
+        pump = self.pump
+
         def spawned(pid: int, window: tuple[int, int]) -> None:
             try:
+                if pump is not None:
+                    pump.start_run(job_id, handle)
                 reg.note_run(job_id, claimed.attempt, pid, window)
             finally:
                 strategy.beside_spawn()
 
         plan = RunPlan(limits, handle, spawned, strategy.on_slow())
+        if pump is not None:
+            plan.on_exit = pump.end_run
         kind = job.get("kind")
         if kind is not None:
             if kind not in self.handlers:

@@ -23,7 +23,7 @@ LAYERS = [
     ["config"],
     ["output", "waker", "control"],  # control: job-control requests, the worker's ear, signals
     ["backend", "runner"],  # backend: the storage port every spool implements; runner: one run
-    ["forkserver", "outcomes", "strategies"],  # the worker's parts: recording outcomes; -j 1 and -j N
+    ["forkserver", "liveout", "outcomes", "strategies"],  # the worker's parts: running jobs' output; recording outcomes; -j 1 and -j N
     ["worker", "relay"],  # the loop, and the relay between two spools: through the port only
     ["pool"],
     # The directory spool, behind the port (imported only by the facade and bench):
@@ -35,7 +35,7 @@ LAYERS = [
     ["dirspool.working"],  # the worker's verbs
     ["dirspool.backend"],  # DirBackend: the port over a spool directory
     ["pgspool"],  # the PostgreSQL spool, behind the port (see test_pg_layers.py)
-    ["jobcontrol"],  # the facade's wait, kill, stop, pause (through the port)
+    ["follow", "jobcontrol"],  # the facade's logs; wait, kill, stop, pause (through the port)
     ["spool"],  # the facade: picks the backend; Spool.work is the only way to run workers
     ["bench", "metrics", "testing"],
     ["controlcli"],  # the job-control commands (wait, kill, stop, pause, resume)

@@ -26,7 +26,7 @@ import time
 from typing import Any, Callable
 
 from ..linux import Inotify
-from .protocol import SpoolDir, id_of
+from .protocol import SpoolDir, id_of, owner_folder
 
 CONTROL = "control"
 REQUEST_SUFFIX = ".req"
@@ -41,6 +41,7 @@ STATES = (("new", Inotify.ARRIVALS | Inotify.MOVED_FROM | Inotify.DELETE),
           ("done", Inotify.ARRIVALS | Inotify.MOVED_FROM | Inotify.DELETE))
 WORKERS = (("workers", Inotify.ARRIVALS | Inotify.DELETE | Inotify.CLOSE_WRITE | Inotify.CLOSE_NOWRITE),)
 CONTROL_EVENTS = Inotify.ARRIVALS | Inotify.DELETE | Inotify.MOVED_FROM
+OUTPUT_EVENTS = Inotify.CREATE | Inotify.MODIFY | Inotify.DELETE
 
 
 def _locked(method: Callable) -> Callable:
@@ -87,28 +88,9 @@ class ControlDir:
     def fd(self, create: bool = True) -> int | None:
         """The folder, opened without following links (made if missing and
         ``create``); None when it is missing and may not be made."""
-        if self._fd is not None:
-            return self._fd
-        root = os.open(self.spool.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            try:
-                fd = os.open(CONTROL, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=root)
-            except FileNotFoundError:
-                if not create:
-                    return None
-                try:
-                    os.mkdir(CONTROL, 0o700, dir_fd=root)
-                except FileExistsError:
-                    pass
-                fd = os.open(CONTROL, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=root)
-        finally:
-            os.close(root)
-        st = os.fstat(fd)
-        if st.st_uid != self.spool.owner or stat.S_IMODE(st.st_mode) & 0o077:
-            os.close(fd)
-            raise PermissionError(f"{self.path()} is not the spool owner's private folder")
-        self._fd = fd
-        return fd
+        if self._fd is None:
+            self._fd = owner_folder(self.spool, CONTROL, 0o700, create, 0o077, "private folder")
+        return self._fd
 
     @_locked
     def close(self) -> None:
@@ -251,7 +233,9 @@ class ControlDir:
     def watch(self, *kinds: str) -> "Watch":
         """An inotify instance on what ``kinds`` name: "control", "finished"
         (done/, dead/, failed/ arrivals), "states" (every state folder's
-        comings and goings), "workers" (registrations made, closed, removed)."""
+        comings and goings), "workers" (registrations made, closed, removed),
+        "output" (running jobs' output written; nothing when out/ is not
+        made yet and this user may not make it)."""
         ino = Inotify()
         try:
             for kind in kinds:
@@ -260,6 +244,14 @@ class ControlDir:
                     ino.add(self.path(), CONTROL_EVENTS, CONTROL)
                     if self._answer is not None:
                         ino.add(os.path.join(self.spool.root, "drop"), Inotify.ARRIVALS, "drop")
+                    continue
+                if kind == "output":
+                    try:
+                        made = self.spool.outputs._folder(not self.member)
+                    except PermissionError:
+                        made = None
+                    if made is not None:
+                        ino.add(self.spool.path("out"), OUTPUT_EVENTS, "out")
                     continue
                 folders = {"finished": FINISHED, "states": STATES, "workers": WORKERS}[kind]
                 for folder, mask in folders:
@@ -285,7 +277,7 @@ class Watch:
         events = self.ino.read(timeout)
         if events is None:
             return None
-        return {id_of(name) for _, _, name in events}
+        return {name.rpartition(".")[0] if label == "out" else id_of(name) for label, _, name in events}
 
     def close(self) -> None:
         self.ino.close()

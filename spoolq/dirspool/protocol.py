@@ -257,6 +257,7 @@ class SpoolDir:
         self.slow_reads = 0  # job reads that took longer than SLOW_READ_NS (see Held.read)
         self.syncs = GroupSync(self)  # deferred folder syncs and the spare files
         self.reasons = DeadReasons(self)  # why each file in dead/ is there
+        self.outputs = LiveOutputs(self)  # out/: running jobs' output
 
     # -- layout ------------------------------------------------------------
 
@@ -1305,6 +1306,155 @@ class DropBox:
         return removed
 
 
+OUT = "out"
+OUT_STREAMS = ("stdout", "stderr")
+PUNCH_SLACK = 0  # a live output file is cut back to log_limit (a page more at most) at each write
+
+
+class LiveOutputs:
+    """``out/``: what running jobs wrote, ``out/ID.stdout`` and
+    ``out/ID.stderr``, written by the worker running the job (its pump,
+    see liveout.py) and removed when the run ends, or by the recovery that
+    finds its job no longer in cur/. The owner's folder, made on first
+    use: ``0700`` and files ``0600`` in a private spool; in a shared one
+    ``2750`` and ``0640``, so the group reads a running job's output as it
+    reads a finished one's in the history. Each file is bounded: bytes more
+    than log_limit before its end are let go (a hole: the size stays, so
+    a reader's offsets stay valid)."""
+
+    def __init__(self, spool: SpoolDir):
+        self.spool = spool
+        self._dir: int | None = None
+        self._files: dict[tuple[str, str], list[int]] = {}  # (job, stream) -> [fd, freed up to]
+        self._lock = threading.Lock()
+
+    def _folder(self, create: bool) -> int | None:
+        """out/, opened without following links (made if missing and
+        ``create``); None when missing. Refused unless it is the owner's
+        and no one else may write it."""
+        if self._dir is None:
+            mode = SHARED_FOLDER if self.spool.shared else 0o700
+            self._dir = owner_folder(self.spool, OUT, mode, create, 0o022, "folder")
+        return self._dir
+
+    # -- the worker's side ------------------------------------------------------
+
+    def put(self, job_id: str, stream: str, start: int, data: bytes, limit: int) -> None:
+        """Write bytes ``start``.. of a stream of a running job's output."""
+        with self._lock:
+            entry = self._files.get((job_id, stream))
+            if entry is None:
+                folder = self._folder(True)
+                fd = os.open(f"{job_id}.{stream}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                             0o600, dir_fd=folder)
+                if self.spool.shared:
+                    os.fchmod(fd, SHARED_FILE)
+                entry = self._files[(job_id, stream)] = [fd, 0]
+        fd = entry[0]
+        if data:
+            _write_all_at(fd, data, start)
+        cut = (start + len(data) - limit) & ~4095
+        if cut > entry[1] + PUNCH_SLACK:
+            linux.punch_hole(fd, cut)
+            entry[1] = cut
+
+    def remove(self, job_id: str) -> None:
+        """The run ended: its files go."""
+        with self._lock:
+            for stream in OUT_STREAMS:
+                entry = self._files.pop((job_id, stream), None)
+                if entry is not None:
+                    os.close(entry[0])
+                    _unlink_quietly(self._dir, f"{job_id}.{stream}")
+
+    def close(self) -> None:
+        with self._lock:
+            for fd, _ in self._files.values():
+                os.close(fd)
+            self._files.clear()
+            if self._dir is not None:
+                os.close(self._dir)
+                self._dir = None
+
+    def remove_orphans(self) -> int:
+        """Remove the files of jobs no longer in cur/ (their worker died, or
+        died between a run's end and the removal). out/ is listed before
+        cur/: a file made after its listing is a run's that began since."""
+        folder = self._folder(False)
+        if folder is None:
+            return 0
+        names = os.listdir(folder)
+        if not names:
+            return 0
+        running = {id_of(name) for name in self.spool.names("cur")}
+        removed = 0
+        for name in names:
+            job_id, _, stream = name.rpartition(".")
+            if stream in OUT_STREAMS and job_id in running:
+                continue
+            _unlink_quietly(folder, name)
+            removed += 1
+        return removed
+
+    # -- readers ---------------------------------------------------------------
+
+    def read(self, job_id: str, stream: str, offset: int, most: int = 1 << 20) -> tuple[bytes, int] | None:
+        """What is kept of a stream of a running job from ``offset`` on (a
+        part let go is skipped: the bytes begin at ``next - len(bytes)``),
+        and the offset after them; None when it has no live output."""
+        try:
+            folder = self._folder(False)
+        except FileNotFoundError:
+            return None
+        if folder is None:
+            return None
+        try:
+            fd = os.open(f"{job_id}.{stream}", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=folder)
+        except (FileNotFoundError, ValueError):
+            return None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != self.spool.owner or st.st_nlink != 1:
+                return None
+            size = st.st_size
+            start = min(offset, size)
+            if start < size:
+                try:
+                    start = os.lseek(fd, start, os.SEEK_DATA)
+                except OSError as e:
+                    if e.errno != errno.ENXIO:
+                        raise
+                    start = size
+            data = os.pread(fd, min(most, size - start), start) if start < size else b""
+            return data, start + len(data)
+        finally:
+            os.close(fd)
+
+
+def owner_folder(spool: SpoolDir, name: str, mode: int, create: bool, loose: int, what: str) -> int | None:
+    """Folder ``name`` of the spool's root, one the owner's side makes on
+    first use (with ``mode``), opened without following links; None when
+    it is missing and not ``create``. Refused (PermissionError) unless it
+    is the owner's and its mode has none of the bits ``loose``."""
+    root = os.open(spool.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=root)
+        except FileNotFoundError:
+            if not create:
+                return None
+            fd, made = _make_folder(name, mode, root, spool.path(name))
+            if made:
+                os.fchmod(fd, mode)
+    finally:
+        os.close(root)
+    st = os.fstat(fd)
+    if st.st_uid != spool.owner or stat.S_IMODE(st.st_mode) & loose:
+        os.close(fd)
+        raise PermissionError(f"{spool.path(name)} is not the spool owner's {what}")
+    return fd
+
+
 def convert_files(spool: SpoolDir) -> list[str]:
     """Bring the files of a shared spool made by an older layout to the
     trust model (docs/design.md, "Security"), through descriptors and
@@ -2054,15 +2204,15 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[n:]
 
 
-def _write_all_at(fd: int, data: bytes) -> None:
-    pos = os.pwrite(fd, data, 0)
+def _write_all_at(fd: int, data: bytes, at: int = 0) -> None:
+    pos = os.pwrite(fd, data, at)
     if pos == len(data):
         return  # the usual case: a record is small
     if pos <= 0:
         raise OSError(errno.EIO, "write returned no progress")
     view = memoryview(data)
     while pos < len(data):
-        n = os.pwrite(fd, view[pos:], pos)
+        n = os.pwrite(fd, view[pos:], at + pos)
         if n <= 0:
             raise OSError(errno.EIO, "write returned no progress")
         pos += n

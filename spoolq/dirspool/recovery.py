@@ -36,6 +36,10 @@ def recover(ctx: Context) -> RecoveryReport:
     tried: set[str] = set()
     while _recover_batch(ctx, report, batch, tried) >= batch:
         pass
+    try:
+        ctx.spool.outputs.remove_orphans()  # the live output of the jobs recovered, and any left behind
+    except OSError:
+        pass  # (kept for the next recovery)
     return report
 
 

@@ -65,6 +65,10 @@ class WorkerSide:
             self._pass = None
         self.dir.drop_spares()
 
+    def live_output(self) -> "DirLiveSink":
+        """out/'s files, written by this worker's pump (see LiveOutputs)."""
+        return DirLiveSink(self.dir.outputs, self.settings)
+
     # -- the worker --------------------------------------------------------------
 
     def register(self, kinds: list[str] | None, tuning: Any = None) -> Registration:
@@ -208,3 +212,24 @@ class WorkerSide:
 
     def sync_deferred(self) -> None:
         self.dir.sync_deferred()
+
+
+class DirLiveSink:
+    """backend.LiveSink over out/ (protocol.LiveOutputs): readers follow
+    the files' growth (inotify), so nothing is told."""
+
+    def __init__(self, outputs: Any, settings: Any):
+        self.outputs = outputs
+        self.settings = settings
+
+    def put(self, job_id: str, stream: str, start: int, data: bytes) -> None:
+        self.outputs.put(job_id, stream, start, data, int(self.settings["log_limit"]))
+
+    def told(self, job_ids: list[str]) -> None:
+        pass
+
+    def remove(self, job_id: str) -> None:
+        self.outputs.remove(job_id)
+
+    def close(self) -> None:
+        self.outputs.close()

@@ -18,10 +18,12 @@ import select
 import time
 from typing import Any, Callable
 
+from .outputs import OUTPUT  # a running job's output was pushed
+
 CONTROL = "spoolq_control"
 FINISHED = "spoolq_finished"
 WORKERS = "spoolq_workers"
-CHANNELS = {"control": CONTROL, "finished": FINISHED, "workers": WORKERS, "states": FINISHED}
+CHANNELS = {"control": CONTROL, "finished": FINISHED, "workers": WORKERS, "states": FINISHED, "output": OUTPUT}
 #: A worker that dies without removing its registration sends nothing: a
 #: watch of workers looks again this often.
 WORKERS_LOOK = 1.0

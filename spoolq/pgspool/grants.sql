@@ -5,12 +5,13 @@
 -- delete history (retention) or drop the spool.
 DO $$
 BEGIN
-    -- Producers enqueue and read: they set a new job's id, record and due
-    -- time, nothing else (its state is new, and who enqueued it is theirs).
+    -- Producers enqueue and read (every job's record, and so every running
+    -- job's output): they set a new job's id, record and due time, nothing
+    -- else (its state is new, and who enqueued it is theirs).
     IF EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'spoolq_producer') THEN
         GRANT USAGE ON SCHEMA spoolq TO spoolq_producer;
         GRANT SELECT ON spoolq.jobs, spoolq.workers, spoolq.settings, spoolq.counters, spoolq.notes,
-                        spoolq.schema_version, spoolq.paused TO spoolq_producer;
+                        spoolq.schema_version, spoolq.paused, spoolq.outputs TO spoolq_producer;
         GRANT INSERT (id, record, at) ON spoolq.jobs TO spoolq_producer;
     END IF;
     -- Workers also claim, finish, cancel, retry and recover jobs, and keep
@@ -25,5 +26,8 @@ BEGIN
         GRANT INSERT (worker, host, pid, uid, boot_id, proc_start, kinds), UPDATE (runs, lost_at), DELETE
             ON spoolq.workers TO spoolq_worker;
         GRANT INSERT, UPDATE ON spoolq.notes TO spoolq_worker;
+        -- and keep their running jobs' output (removed with a job's move
+        -- out of the running state, and by recovery).
+        GRANT SELECT, INSERT, UPDATE, DELETE ON spoolq.outputs TO spoolq_worker;
     END IF;
 END $$;

@@ -97,6 +97,20 @@ class PgPort(PgBackend):
         self.open()
         return PgChannel(lambda: self._conn("auto"), self._connect)
 
+    def live_output(self) -> Any:
+        """spoolq.outputs, written by this worker's pump (see outputs.py)."""
+        from .outputs import PgLiveSink
+
+        return PgLiveSink(lambda: self._connect(synchronous_commit="off"),
+                          lambda: self._reg.id if self._reg is not None else None, self.settings)
+
+    def output(self, job_id: str, stream: str, offset: int) -> tuple[bytes, int] | None:
+        from .outputs import read
+
+        with _translated(self.location):
+            self.open()
+            return read(self._conn("auto"), job_id, stream, offset)
+
     def paused(self) -> dict[str, Any] | None:
         with _translated(self.location):
             return self.control().paused()

@@ -21,7 +21,7 @@ from typing import Any
 
 from .. import procs, record
 from ..errors import InvalidJob
-from . import queries, shaping
+from . import outputs, queries, shaping
 from .liveness import RECOVERY_GRACE
 from .reads import LIVE
 from .types import Report
@@ -70,6 +70,7 @@ def _once(conn, settings: dict, report: Report) -> int:
         outcome = _recover_job(conn, settings, row, report)
         notify = notify or outcome == "failed"
     report.workers += conn.execute(FORGET).rowcount
+    conn.execute(outputs.ORPHANS)
     if notify:
         conn.execute(queries.NOTIFY)
     return waiting

@@ -150,6 +150,29 @@ CREATE TABLE spoolq.paused (
     at          timestamptz NOT NULL DEFAULT now()
 );
 
+-- What running jobs wrote so far, for `spoolq logs` from any host: the
+-- latest log_limit bytes of each stream, rewritten by the job's worker
+-- every quarter second (followed by NOTIFY spoolq_output, the id as
+-- payload), removed as the job leaves the running state (the trigger
+-- below, in the same transaction as the move).
+CREATE TABLE spoolq.outputs (
+    id          text COLLATE "C" NOT NULL,
+    stream      text NOT NULL CHECK (stream IN ('stdout', 'stderr')),
+    start       bigint NOT NULL,                -- bytes of the stream before data (let go)
+    data        bytea NOT NULL,
+    PRIMARY KEY (id, stream)
+);
+
+CREATE FUNCTION spoolq.drop_outputs() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    DELETE FROM spoolq.outputs WHERE id = NEW.id;
+    RETURN NULL;
+END $$;
+CREATE TRIGGER jobs_outputs_dropped AFTER UPDATE OF state ON spoolq.jobs FOR EACH ROW
+    WHEN (OLD.state = 'running' AND NEW.state <> 'running')
+    EXECUTE FUNCTION spoolq.drop_outputs();
+
 -- A job that finishes (done or dead, by whichever path) is told on
 -- spoolq_finished with its id as the payload, at commit: what `wait`
 -- listens to. A worker's registration removed is told on spoolq_workers.
