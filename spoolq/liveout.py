@@ -62,6 +62,7 @@ class Pump:
         self._lock = threading.Lock()
         self._runs: dict[int, _Run] = {}
         self._wake = threading.Event()
+        self._sleep = threading.Event()  # set only to stop
         self._idle = True
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -74,6 +75,7 @@ class Pump:
 
     def stop(self) -> None:
         self._stopping = True
+        self._sleep.set()
         self._wake.set()
         if self._thread is not None:
             self._thread.join(5)
@@ -89,8 +91,8 @@ class Pump:
         run = _Run(job_id, handle)
         with self._lock:
             self._runs[id(handle)] = run
-        if self._idle:
-            self._idle = False
+            wake, self._idle = self._idle, False
+        if wake:
             self._wake.set()
 
     def end_run(self, handle: Any) -> None:
@@ -117,17 +119,15 @@ class Pump:
     def _loop(self) -> None:
         while not self._stopping:
             with self._lock:
-                runs = list(self._runs.values())
-            if not runs:
-                self._idle = True
-                self._wake.clear()
-                with self._lock:
-                    if self._runs:
-                        self._idle = False
-                        continue
+                busy = bool(self._runs)
+                self._idle = not busy
+            if not busy:  # asleep until a run starts (start_run sets _wake once _idle)
                 self._wake.wait()
+                self._wake.clear()
                 continue
-            self._wake.wait(PUMP_EVERY)
+            self._sleep.wait(PUMP_EVERY)
+            with self._lock:
+                runs = list(self._runs.values())
             self._round(runs)
 
     def _round(self, runs: list[_Run]) -> None:
