@@ -262,11 +262,13 @@ class Backend(Protocol):
     # -- running jobs' output ----------------------------------------------
     def live_output(self) -> LiveSink:
         """Where this worker's running jobs' output goes (one per worker)."""
-    def output(self, job_id: str, stream: str, offset: int) -> tuple[bytes, int] | None:
+    def output(self, job_id: str, stream: str, offset: int, hold: bool = False) -> tuple[bytes, int] | None:
         """What is kept of ``stream`` of a running job from ``offset`` on
         (bytes let go are skipped: the bytes begin at ``next - len``) and
         the offset after them; None when it has no live output (not
-        running, not yet pushed, or not the caller's to read)."""
+        running, not yet pushed, or not the caller's to read). ``hold``:
+        a follower, which may be given the last bytes pushed as the run
+        ended after its live output was removed."""
 
 
 class PlainCommit:

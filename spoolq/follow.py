@@ -126,7 +126,9 @@ class _Follower:
                 self._live()
             elif self.reading or (state in ("done", "dead") and not looked):
                 # The run read live has ended (or had before the first
-                # look): its rest is in the record.
+                # look): what it pushed last, then the rest from the record.
+                if self.reading:
+                    self._live()
                 stored_rest(job, self.offsets, self.on_output)
                 self.offsets = dict.fromkeys(self.streams, 0)
                 self.reading = False
@@ -145,7 +147,7 @@ class _Follower:
         self.reading = True
         for stream in self.streams:
             while True:
-                got = self.spool.backend.output(self.job_id, stream, self.offsets[stream])
+                got = self.spool.backend.output(self.job_id, stream, self.offsets[stream], True)
                 if got is None:
                     break
                 data, after = got

@@ -1326,6 +1326,7 @@ class LiveOutputs:
         self.spool = spool
         self._dir: int | None = None
         self._files: dict[tuple[str, str], list[int]] = {}  # (job, stream) -> [fd, freed up to]
+        self._held: dict[tuple[str, str], int] = {}  # a follower's open files (see read)
         self._lock = threading.Lock()
 
     def _folder(self, create: bool) -> int | None:
@@ -1372,6 +1373,9 @@ class LiveOutputs:
             for fd, _ in self._files.values():
                 os.close(fd)
             self._files.clear()
+            for fd in self._held.values():
+                os.close(fd)
+            self._held.clear()
             if self._dir is not None:
                 os.close(self._dir)
                 self._dir = None
@@ -1398,37 +1402,69 @@ class LiveOutputs:
 
     # -- readers ---------------------------------------------------------------
 
-    def read(self, job_id: str, stream: str, offset: int, most: int = 1 << 20) -> tuple[bytes, int] | None:
+    def read(self, job_id: str, stream: str, offset: int, hold: bool = False,
+             most: int = 1 << 20) -> tuple[bytes, int] | None:
         """What is kept of a stream of a running job from ``offset`` on (a
         part let go is skipped: the bytes begin at ``next - len(bytes)``),
-        and the offset after them; None when it has no live output."""
+        and the offset after them; None when it has no live output. With
+        ``hold`` the file stays open for the next read, so that a follower
+        reads the last bytes pushed as the run ended, after its removal
+        (then None once they are read)."""
         try:
             folder = self._folder(False)
         except FileNotFoundError:
             return None
         if folder is None:
             return None
-        try:
-            fd = os.open(f"{job_id}.{stream}", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=folder)
-        except (FileNotFoundError, ValueError):
+        held = self._held.get((job_id, stream))
+        fd = self._open_live(folder, f"{job_id}.{stream}")
+        if fd is None and held is None:
             return None
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != self.spool.owner or st.st_nlink != 1:
+        removed = fd is None
+        if fd is not None and held is not None and os.path.samestat(os.fstat(fd), os.fstat(held)):
+            os.close(fd)
+            fd = None
+        if fd is None:
+            got = _read_from(held, offset, most)
+            if removed and not got[0]:  # removed (the run ended) and read to its end
+                os.close(self._held.pop((job_id, stream)))
                 return None
-            size = st.st_size
-            start = min(offset, size)
-            if start < size:
-                try:
-                    start = os.lseek(fd, start, os.SEEK_DATA)
-                except OSError as e:
-                    if e.errno != errno.ENXIO:
-                        raise
-                    start = size
-            data = os.pread(fd, min(most, size - start), start) if start < size else b""
-            return data, start + len(data)
+            return got
+        if held is not None:  # a later run's file
+            os.close(self._held.pop((job_id, stream)))
+        if hold:
+            self._held[(job_id, stream)] = fd
+            return _read_from(fd, offset, most)
+        try:
+            return _read_from(fd, offset, most)
         finally:
             os.close(fd)
+
+    def _open_live(self, folder: int, name: str) -> int | None:
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=folder)
+        except (FileNotFoundError, ValueError):
+            return None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != self.spool.owner or st.st_nlink != 1:
+            os.close(fd)
+            return None
+        return fd
+
+
+def _read_from(fd: int, offset: int, most: int) -> tuple[bytes, int]:
+    """What a live output file holds from ``offset`` on (skipping a hole)."""
+    size = os.fstat(fd).st_size
+    start = min(offset, size)
+    if start < size:
+        try:
+            start = os.lseek(fd, start, os.SEEK_DATA)
+        except OSError as e:
+            if e.errno != errno.ENXIO:
+                raise
+            start = size
+    data = os.pread(fd, min(most, size - start), start) if start < size else b""
+    return data, start + len(data)
 
 
 def owner_folder(spool: SpoolDir, name: str, mode: int, create: bool, loose: int, what: str) -> int | None:

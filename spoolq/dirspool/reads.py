@@ -167,10 +167,10 @@ class DirReads:
             return index.get(job_id)
         return None
 
-    def output(self, job_id: str, stream: str, offset: int) -> tuple[bytes, int] | None:
+    def output(self, job_id: str, stream: str, offset: int, hold: bool = False) -> tuple[bytes, int] | None:
         """A running job's output from out/ (see LiveOutputs.read)."""
         self.dir.open()
-        return self.dir.outputs.read(job_id, stream, offset)
+        return self.dir.outputs.read(job_id, stream, offset, hold)
 
     def live_workers(self) -> list[dict[str, Any]]:
         """The live workers' registrations (none for a member: they are the owner's)."""

@@ -104,7 +104,8 @@ class PgPort(PgBackend):
         return PgLiveSink(lambda: self._connect(synchronous_commit="off"),
                           lambda: self._reg.id if self._reg is not None else None, self.settings)
 
-    def output(self, job_id: str, stream: str, offset: int) -> tuple[bytes, int] | None:
+    def output(self, job_id: str, stream: str, offset: int, hold: bool = False) -> tuple[bytes, int] | None:
+        """(``hold`` changes nothing: a follower reads a run's last bytes from its record.)"""
         from .outputs import read
 
         with _translated(self.location):
