@@ -16,8 +16,8 @@ import click
 from . import output, record
 from .control import signal_name, signal_number
 from .errors import JobNotFound, NotPossible, RequestPending
-from .jobcontrol import WaitTimeout, describe, succeeded
-from .output import echo, fail
+from .jobcontrol import WaitTimeout, describe, finished, succeeded
+from .output import echo, fail, one_line
 
 TIMED_OUT = 124
 PENDING = 75
@@ -111,13 +111,27 @@ def kill_and_say(spool, job_id: str, number: int | None) -> None:
         fail(str(e), 1)
     except RequestPending as e:
         fail(str(e), PENDING)
-    except WaitTimeout:
-        fail(f"job {job_id} was told to stop but still runs", 1)
     if number is not None:
         echo(f"sent {signal_name(number)} to job {job_id}")
         return
+    say_cancelled(job_id, job)
+
+
+def say_cancelled(job_id: str, job: dict[str, Any]) -> None:
+    """What a cancel of a running job came to: cancelled (exit 0); still
+    stopping (a run that ignores SIGTERM, before its SIGKILL: exit 0, it
+    ends cancelled); ended otherwise before the cancel reached it (exit 1)."""
+    if not finished(job):
+        echo(f"asked job {job_id} to stop; it is still stopping (SIGKILL follows timeout_grace after SIGTERM)")
+        return
     outcome, said = describe(job)
-    echo(f"cancelled {job_id}" if outcome in ("cancelled", "finished") else f"{job_id} {outcome} {said}".rstrip())
+    if outcome == "cancelled":
+        echo(f"cancelled {job_id}")
+    elif job.get("readable") is False:  # a member's view: the outcome is the owner's to read
+        echo(f"asked job {job_id} to stop; it has ended (whether cancelled is readable by the spool's owner only)")
+    else:
+        echo(one_line(f"{job_id} {outcome} {said}".rstrip() + " (it ended before the cancel reached it)"))
+        raise SystemExit(1)
 
 
 @click.command()
