@@ -1,5 +1,5 @@
-"""The job-control commands of ``spoolq``: wait, kill, stop, pause, resume
-(added to the command group by cli.py; they parse, call ``Spool``, print).
+"""The job-control commands of ``spoolq``: wait, kill, stop, pause, resume,
+top (added to the command group by cli.py; they parse, call ``Spool``, print).
 
 Exit status of ``wait`` (and ``enqueue --wait``, ``logs -f``): 0 every job
 succeeded; 1 one ended otherwise (dead, cancelled); 2 usage or an unknown
@@ -169,4 +169,23 @@ def resume(ctx):
     echo("resumed" if changed else "not paused")
 
 
-COMMANDS = (wait, kill, stop, pause, resume)
+@click.command()
+@click.option("--interval", type=click.FloatRange(min=0.1), default=1.0, show_default=True, metavar="SECONDS",
+              help="Least time between two refreshes (they come as the spool changes, and every 5 s at least).")
+@click.option("-n", "--iterations", type=click.IntRange(min=1), metavar="COUNT", help="Stop after COUNT refreshes.")
+@click.pass_context
+def top(ctx, interval, iterations):
+    """A live view: jobs per state, rates, running jobs, workers, failures.
+
+    Refreshes in place on a terminal as the spool changes (q or Ctrl-C
+    quits; space refreshes at once); prints a block per refresh when
+    stdout is no terminal (`spoolq top -n 1` is one look).
+    """
+    spool = _spool(ctx)
+    try:
+        output.run_top(spool.view(interval=interval), iterations)
+    except KeyboardInterrupt:
+        pass  # the way out of a live view, as in top(1): not an error
+
+
+COMMANDS = (wait, kill, stop, pause, resume, top)

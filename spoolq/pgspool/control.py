@@ -18,10 +18,14 @@ import select
 import time
 from typing import Any, Callable
 
+from .waker import CHANNEL
+
 CONTROL = "spoolq_control"
 FINISHED = "spoolq_finished"
 WORKERS = "spoolq_workers"
-CHANNELS = {"control": CONTROL, "finished": FINISHED, "workers": WORKERS, "states": FINISHED}
+JOBS = CHANNEL  # every enqueue, retry and failure due now (what wakes workers)
+CHANNELS = {"control": (CONTROL,), "finished": (FINISHED,), "workers": (WORKERS,), "states": (FINISHED,),
+            "view": (JOBS, FINISHED, CONTROL, WORKERS)}  # view: what a live view shows (enqueues, finishes, pause, workers)
 #: A worker that dies without removing its registration sends nothing: a
 #: watch of workers looks again this often.
 WORKERS_LOOK = 1.0
@@ -96,12 +100,12 @@ class PgChannel:
     def watch(self, *kinds: str) -> "PgWatch":
         conn = self._connect()
         try:
-            for channel in sorted({CHANNELS[kind] for kind in kinds}):
+            for channel in sorted({name for kind in kinds for name in CHANNELS[kind]}):
                 conn.execute(f"LISTEN {channel}")
         except BaseException:
             conn.close()
             raise
-        return PgWatch(conn, "workers" in kinds)
+        return PgWatch(conn, "workers" in kinds or "view" in kinds)
 
 
 class PgWatch:
