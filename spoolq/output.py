@@ -511,7 +511,7 @@ class Terminal:
 
     def draw(self, lines: list[str]) -> None:
         """Over the last look, in place: each line cleared to its end, the rest of the screen below."""
-        self.out.write("\x1b[H" + "".join(line + "\x1b[K\r\n" for line in lines[:-1]) + (lines[-1] if lines else "")
+        self.out.write("\x1b[H" + "".join(line + "\x1b[K\n" for line in lines[:-1]) + (lines[-1] if lines else "")
                        + "\x1b[K\x1b[J")
         self.out.flush()
 
@@ -533,17 +533,23 @@ def run_top(view: Any, iterations: int | None = None) -> None:
     with view, Terminal(out, keys) as screen:
         shown = 0
         while True:
-            size = os.get_terminal_size(out.fileno())
-            screen.draw(top_lines(view.look(), size.columns, size.lines))
+            try:
+                columns, rows = os.get_terminal_size(out.fileno())
+            except OSError:
+                columns, rows = 80, 24
+            lines = top_lines(view.look(), columns, rows)
+            screen.draw(lines)
             shown += 1
             if iterations is not None and shown >= iterations:
-                return
+                break
             while (fd := view.wait([keys.fileno()] if keys is not None else [])) is not None:
                 pressed = os.read(fd, 64)
                 if not pressed or pressed[:1] in (b"q", b"Q"):
                     return
                 if pressed[:1] in (b" ", b"\x0c"):  # space or Ctrl-L: look now
                     break
+    for line in lines:  # -n ran out: its last look stays on the screen given back
+        echo(line)
 
 
 def _top_blocks(view: Any, iterations: int | None) -> None:

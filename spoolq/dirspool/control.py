@@ -284,8 +284,8 @@ class ControlDir:
         if self.member:
             return  # registrations, control/ and drop/ are the owner's to watch
         ino.add(os.path.join(self.spool.root, REGISTRATIONS[0]), REGISTRATIONS[1], REGISTRATIONS[0])
-        self.fd()
-        ino.add(self.path(), CONTROL_EVENTS, CONTROL)
+        if self.fd(create=False) is not None:  # (a view makes nothing: a pause made later is seen on its tick)
+            ino.add(self.path(), CONTROL_EVENTS, CONTROL)
         if self.spool.shared:
             ino.add(os.path.join(self.spool.root, "drop"), Inotify.ARRIVALS | Inotify.MOVED_FROM | Inotify.DELETE, "drop")
 

@@ -32,12 +32,10 @@ class Pty:
         env = {k: v for k, v in os.environ.items() if k != "SPOOLQ_DIR"}
         env["TERM"] = "xterm"
 
-        def controlling():
-            os.setsid()
-            fcntl.ioctl(0, termios.TIOCSCTTY, 0)
-
-        self.proc = subprocess.Popen(SPOOLQ + ["-s", location, "top", *args], stdin=slave, stdout=slave,
-                                     stderr=slave, env=env, preexec_fn=controlling, close_fds=True)
+        # setsid(1) makes the terminal its controlling one (Ctrl-C reaches
+        # it as SIGINT); not a preexec_fn, which may hang in a threaded test.
+        self.proc = subprocess.Popen(["setsid", "-w", "-c"] + SPOOLQ + ["-s", location, "top", *args], stdin=slave,
+                                     stdout=slave, stderr=slave, env=env, close_fds=True)
         self.raw = b""
         self._lock = threading.Lock()
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -68,8 +66,11 @@ class Pty:
 
     def shows(self, *patterns: str, timeout: float = 30.0) -> str:
         """Wait until the latest drawing holds every pattern (regular expressions)."""
-        return wait_for(lambda: all(re.search(p, self.screen()) for p in patterns) and self.screen(),
-                        timeout=timeout, what=f"top to show {patterns}: last drawn:\n{self.screen()}")
+        try:
+            return wait_for(lambda: all(re.search(p, self.screen()) for p in patterns) and self.screen(),
+                            timeout=timeout, what=f"top to show {patterns}")
+        except AssertionError as e:
+            raise AssertionError(f"{e}; last drawn:\n{self.screen()}") from None
 
     def press(self, keys: bytes) -> None:
         os.write(self.master, keys)
@@ -93,7 +94,7 @@ def test_top_in_a_terminal_shows_counts_running_jobs_workers_pause_and_failures_
     worker = s.popen("work", "--watch", "-j", "2", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     running = s.enqueue(f"echo started; touch {tmp_path}/began; sleep 300")
     wait_for(lambda: (tmp_path / "began").exists(), what="the job to start")
-    wid = s.status()["workers"][0]["worker"]
+    wid = wait_for(lambda: s.show(running).get("worker"), what="the job's worker")
     top = Pty(s.location, "--interval", "0.2")
     try:
         shown = top.shows(r"new 0\s+running 1\s+failed 0\s+dead 1\s+done 0", re.escape(running), re.escape(bad),
@@ -144,3 +145,14 @@ def test_top_without_a_terminal_prints_plain_blocks(sq):
     for block in blocks:
         assert block.startswith("spoolq top  ") and re.search(r"^jobs\s+new 1\s+running 0", block, re.M), block
         assert re.search(r"^workers\s+0$", block, re.M) and re.search(r"^failures\s+none$", block, re.M), block
+
+
+def test_top_n_in_a_terminal_leaves_its_last_look_on_the_screen(sq):
+    top = Pty(sq.location, "-n", "1")
+    try:
+        assert top.proc.wait(30) == 0
+        wait_for(lambda: "\x1b[?1049l" in top.text(), what="the screen given back")
+        after = top.text().split("\x1b[?1049l", 1)[1]
+        assert re.search(r"^jobs\s+new 0", after, re.M), after
+    finally:
+        top.close()
