@@ -225,9 +225,10 @@ def test_once_pause_returns_no_worker_claims_a_job_until_resume(cspool):
     single = _watching(s)
     wait_for(lambda: len(s.status()["workers"]) == 3, what="three workers to start")
     try:
-        for _ in range(3):
-            assert s.run("pause").stdout == "paused\n"
-            jobs = [s.enqueue("true") for _ in range(3)]  # at once: no worker may be about to claim
+        api = s.api()
+        for _ in range(5):
+            assert api.pause() is True
+            jobs = [api.enqueue("true") for _ in range(3)]  # at once: no worker may be about to claim
             time.sleep(1.0)
             assert _ids(s, "cur") + _ids(s, "done") == [], "a job was claimed after pause returned"
             assert s.run("resume").stdout == "resumed\n"
