@@ -121,9 +121,13 @@ def say_cancelled(job_id: str, job: dict[str, Any]) -> None:
     """What a cancel of a running job came to: cancelled (exit 0); still
     stopping (a run that ignores SIGTERM, before its SIGKILL: exit 0, it
     ends cancelled); ended otherwise before the cancel reached it (exit 1)."""
-    if not finished(job):
+    if job.get("state") == "cur":
         echo(f"asked job {job_id} to stop; it is still stopping (SIGKILL follows timeout_grace after SIGTERM)")
         return
+    if not finished(job):  # its run failed on its own first: it waits for a retry
+        echo(one_line(f"{job_id} is {job.get('state')} (its run ended before the cancel reached it; "
+                      "`spoolq cancel` it again to cancel it)"))
+        raise SystemExit(1)
     outcome, said = describe(job)
     if outcome == "cancelled":
         echo(f"cancelled {job_id}")

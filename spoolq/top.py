@@ -3,9 +3,9 @@ changes, through the port alone (counts, the workers' registrations, the
 running jobs, the latest failures), with enqueue and finish rates worked
 out from how the counts move. Printing it is output.py's.
 
-What a look costs does not grow with the waiting jobs: they are counted
-by name, never read; the records read are the running jobs' and the few
-latest failures'. A look is taken when the spool's events say it changed
+A look reads no waiting job's file: the waiting jobs are counted by name
+(as ``status`` counts them); the records read are the running jobs' and
+the few latest failures'. A look is taken when the spool's events say it changed
 (inotify; LISTEN on PostgreSQL), at most once per ``interval``, and on a
 slow ``tick`` without events, so that ages and rates move on.
 """

@@ -86,6 +86,9 @@ class PgChannel:
                                         (request["id"], request.get("attempt"), request.get("signal"))).fetchone()[0])
         except psycopg.errors.NoDataFound as e:
             raise JobNotFound(first_line(e)) from None
+        except psycopg.errors.UndefinedFunction:
+            raise SpoolError("this spool's database has no spoolq.request_kill, which lets a producer kill its own "
+                             "jobs: the spool's owner adds it by running spoolq init again") from None
         except (psycopg.errors.InsufficientPrivilege, psycopg.errors.RaiseException) as e:
             raise NotPossible(first_line(e)) from None
 
