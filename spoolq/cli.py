@@ -607,6 +607,9 @@ def cancel(ctx, job_id):
     spool = _existing(ctx)
     try:
         job_id = spool.resolve(job_id, ("new", "failed"), ())
+        if (spool.get(job_id) or {}).get("state") == "cur":  # (a role that may kill its running job, not move jobs)
+            controlcli.kill_and_say(spool, job_id, None)
+            return
         spool.cancel(job_id, check=True, on_note=_note)
     except NotPossible as e:
         if (spool.get(job_id) or {}).get("state") == "cur":

@@ -49,7 +49,8 @@ class Controlled(Protocol):
     wid: str
 
     def stop(self, force: bool = False) -> None: ...
-    def set_paused(self, paused: bool) -> None: ...
+    def set_paused(self, paused: bool) -> None:
+        """Once this returns paused, no claim is under way and none begins."""
     def kill_job(self, job_id: str, attempt: int | None, sig: int | None, by: str) -> bool: ...
 
 
@@ -181,6 +182,9 @@ class Listener:
                 self.log(f"stopping{' now' if request.get('now') else ''}: asked by {by}", 0, None)
                 worker.stop(force=bool(request.get("now")))
                 channel.done(token)  # after the stop: its sender learns it claims no more
+            elif kind == "pause" and request.get("worker") == worker.wid:
+                worker.set_paused(channel.paused() is not None)
+                channel.done(token)  # after set_paused: its sender learns no claim begins any more
             elif kind == "kill":
                 if self._kill(token, request):
                     continue

@@ -1,5 +1,5 @@
 """The job-control commands of ``spoolq``: wait, kill, stop, pause, resume,
-logs (added to the command group by cli.py; they parse, call ``Spool``, print).
+logs, top (added to the command group by cli.py; they parse, call ``Spool``, print).
 
 Exit status of ``wait`` (and ``enqueue --wait``, ``logs -f``): 0 every job
 succeeded; 1 one ended otherwise (dead, cancelled); 2 usage or an unknown
@@ -16,8 +16,8 @@ import click
 from . import output, record
 from .control import signal_name, signal_number
 from .errors import JobNotFound, NotPossible, RequestPending
-from .jobcontrol import WaitTimeout, describe, succeeded
-from .output import echo, fail
+from .jobcontrol import WaitTimeout, describe, finished, succeeded
+from .output import echo, fail, one_line
 
 TIMED_OUT = 124
 PENDING = 75
@@ -111,13 +111,31 @@ def kill_and_say(spool, job_id: str, number: int | None) -> None:
         fail(str(e), 1)
     except RequestPending as e:
         fail(str(e), PENDING)
-    except WaitTimeout:
-        fail(f"job {job_id} was told to stop but still runs", 1)
     if number is not None:
         echo(f"sent {signal_name(number)} to job {job_id}")
         return
+    say_cancelled(job_id, job)
+
+
+def say_cancelled(job_id: str, job: dict[str, Any]) -> None:
+    """What a cancel of a running job came to: cancelled (exit 0); still
+    stopping (a run that ignores SIGTERM, before its SIGKILL: exit 0, it
+    ends cancelled); ended otherwise before the cancel reached it (exit 1)."""
+    if job.get("state") == "cur":
+        echo(f"asked job {job_id} to stop; it is still stopping (SIGKILL follows timeout_grace after SIGTERM)")
+        return
+    if not finished(job):  # its run failed on its own first: it waits for a retry
+        echo(one_line(f"{job_id} is {job.get('state')} (its run ended before the cancel reached it; "
+                      "`spoolq cancel` it again to cancel it)"))
+        raise SystemExit(1)
     outcome, said = describe(job)
-    echo(f"cancelled {job_id}" if outcome in ("cancelled", "finished") else f"{job_id} {outcome} {said}".rstrip())
+    if outcome == "cancelled":
+        echo(f"cancelled {job_id}")
+    elif job.get("readable") is False:  # a member's view: the outcome is the owner's to read
+        echo(f"asked job {job_id} to stop; it has ended (whether cancelled is readable by the spool's owner only)")
+    else:
+        echo(one_line(f"{job_id} {outcome} {said}".rstrip() + " (it ended before the cancel reached it)"))
+        raise SystemExit(1)
 
 
 @click.command()
@@ -177,7 +195,7 @@ def logs(ctx, job_id, follow, which):
 
     def shown(piece) -> None:
         if piece.skipped:
-            kept = "only its tail is kept" if piece.stored else f"older output is let go past log_limit"
+            kept = "only its tail is kept" if piece.stored else "older output is let go past log_limit"
             output.note(f"job {job_id}'s {piece.stream}: {piece.skipped} earlier bytes are not shown ({kept})")
         output.write_bytes(piece.data, to_stderr=both and piece.stream == "stderr")
 
@@ -196,4 +214,23 @@ def logs(ctx, job_id, follow, which):
         raise SystemExit(0 if succeeded(job) else 1)
 
 
-COMMANDS = (wait, kill, stop, pause, resume, logs)
+@click.command()
+@click.option("--interval", type=click.FloatRange(min=0.1), default=1.0, show_default=True, metavar="SECONDS",
+              help="Least time between two refreshes (they come as the spool changes, and every 5 s at least).")
+@click.option("-n", "--iterations", type=click.IntRange(min=1), metavar="COUNT", help="Stop after COUNT refreshes.")
+@click.pass_context
+def top(ctx, interval, iterations):
+    """A live view: jobs per state, rates, running jobs, workers, failures.
+
+    Refreshes in place on a terminal as the spool changes (q or Ctrl-C
+    quits; space refreshes at once); prints a block per refresh when
+    stdout is no terminal (`spoolq top -n 1` is one look).
+    """
+    spool = _spool(ctx)
+    try:
+        output.run_top(spool.view(interval=interval), iterations)
+    except KeyboardInterrupt:
+        pass  # the way out of a live view, as in top(1): not an error
+
+
+COMMANDS = (wait, kill, stop, pause, resume, logs, top)

@@ -15,8 +15,12 @@ from .errors import JobNotFound, NotPossible, RequestPending
 from .owners import user_name
 
 FINISHED = ("done", "dead")
-#: How long ``stop`` waits for the workers to take its request (see _until_taken).
+#: How long ``stop`` and ``pause`` wait for the workers to take their requests (see _until_taken).
 TAKEN_WITHIN = 10.0
+#: A cancel waits for its job's end at most timeout_grace (capped at this)
+#: plus STOPPING_SLACK seconds, then says the job is still stopping.
+STOPPING_GRACE_CAP = 8.0
+STOPPING_SLACK = 2.0
 
 
 class WaitTimeout(Exception):
@@ -95,10 +99,12 @@ class JobControl:
         """Cancel a running job (``sig`` None: SIGTERM to its process group,
         SIGKILL after timeout_grace; it ends ``cancelled``, not retried) or
         send it ``sig`` alone. The worker running it does the signalling.
-        Returns its record once finished (a cancel) or once the signal went
-        (``sig``). Raises JobNotFound, NotPossible (not running; not the
-        caller's job), or RequestPending when no worker took the request
-        within ``wait`` seconds."""
+        Returns its record once finished (a cancel: cancelled, or ended
+        otherwise first), or as it is a few seconds on when the run is still
+        stopping (``state`` cur), or once the signal went (``sig``). Raises
+        JobNotFound, NotPossible (not running; not the caller's job), or
+        RequestPending when no worker took the request within ``wait``
+        seconds."""
         job = self.get(job_id)
         if job is None:
             raise JobNotFound(f"no job {job_id} in this spool")
@@ -128,8 +134,7 @@ class JobControl:
             watch.close()
         if sig is not None:
             return self.get(job_id) or job
-        grace = float(self.settings["timeout_grace"])
-        return self.wait([job_id], timeout=grace + wait)[job_id]
+        return self._outcome(job_id)
 
     def _kill_by_owner(self, channel: Any, request: dict[str, Any], wait: float) -> dict[str, Any]:
         """A member's kill: asked of the owner's side."""
@@ -137,8 +142,18 @@ class JobControl:
         channel.ask({k: v for k, v in request.items() if k != "by"}, f"kill job {job_id}")
         if "signal" in request:
             return self.get(job_id) or {"id": job_id}
-        grace = float(self.settings["timeout_grace"])
-        return self.wait([job_id], timeout=grace + wait)[job_id]
+        return self._outcome(job_id)
+
+    def _outcome(self, job_id: str) -> dict[str, Any]:
+        """A cancelled job's record once it has ended (cancelled, or ended
+        otherwise before the cancel reached it), or, when it still runs a
+        few seconds on (a run that ignores SIGTERM, before its SIGKILL), its
+        record as it is then (``state`` cur: still stopping)."""
+        grace = min(float(self.settings["timeout_grace"]), STOPPING_GRACE_CAP)
+        try:
+            return self.wait([job_id], timeout=grace + STOPPING_SLACK)[job_id]
+        except WaitTimeout:
+            return self.get(job_id) or {"id": job_id, "state": "cur"}
 
     # -- workers ---------------------------------------------------------------
 
@@ -182,10 +197,18 @@ class JobControl:
 
     def pause(self) -> bool:
         """Workers claim nothing until ``resume`` (they stay up; running jobs
-        go on). False when it was paused already."""
+        go on). Returns once every live worker has seen the pause (at most
+        TAKEN_WITHIN seconds: a worker stopped by SIGSTOP is not waited
+        for longer). False when it was paused already."""
         channel = self._channel()
         channel.require_owner("pause it")
-        return channel.set_paused({"by": user_name(os.geteuid()), "at": time.time()})
+        if not channel.set_paused({"by": user_name(os.geteuid()), "at": time.time()}):
+            return False
+        # Each live worker is asked to say it has seen the pause: one that
+        # has claims nothing more, so none is claimed once this returns.
+        _until_taken(channel, [channel.send({"request": "pause", "worker": w["worker"], "by": user_name(os.geteuid())})
+                               for w in self.workers()])
+        return True
 
     def resume(self) -> bool:
         """Let the workers claim again. False when it was not paused."""

@@ -408,3 +408,187 @@ def log_what_waits(spool: Any, log: Log) -> None:
         # Not under -q (cron's mail, every minute): a dead job was told once,
         # at ERROR, when it died, and a failed one is retried by design.
         log.line("stopped: " + ", ".join(parts), 1, WARNING)
+
+# -- the live view (spoolq top) -------------------------------------------------
+
+def _age(seconds: float | None) -> str:
+    """3s, 4m05s, 2h03m, 3d04h."""
+    if seconds is None:
+        return "-"
+    s = int(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def _clock(epoch: float | None) -> str:
+    return "-" if epoch is None else time.strftime("%H:%M:%SZ", time.gmtime(epoch))
+
+
+def _rate(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}/s" if value < 100 else f"{value:.0f}/s"
+
+
+def top_lines(view: dict, width: int = 10_000, height: int | None = None) -> list[str]:
+    """One look of ``spoolq top`` (top.View.look) as lines of at most
+    ``width`` characters, at most ``height`` of them (the running jobs and
+    failures shortened first)."""
+    c, now = view["counts"], view["at"]
+    paused = view.get("paused")
+    head = [f"spoolq top  {view['location']}  {rfc3339(now)[:19]}Z"
+            + (f"  PAUSED by {paused.get('by')} ('spoolq resume')" if paused else "")]
+    states = f"new {c['new']}  running {c['cur']}  failed {c['failed']}  dead {c['dead']}  done {c['done']}"
+    if c.get("dropped") is not None:
+        states += f"  dropped {c['dropped']}"
+    if c.get("abandoned"):
+        states += f"  ({c['abandoned']} abandoned)"
+    head.append(f"jobs      {states}")
+    rates = view["rates"]
+    over = f"  (over the last {int(rates['over'])}s)" if rates.get("over") else ""
+    head.append(f"rates     enqueued {_rate(rates['enqueued'])}  finished {_rate(rates['finished'])}{over}")
+    due = view.get("next_retry")
+    head.append("retry     " + ("none waiting" if due is None else
+                                "next due now" if due <= now else f"next in {_age(due - now)} (at {_clock(due)})"))
+    workers = _top_workers(view, paused is not None)
+    running = [f"running   {len(view['running'])}" + ("+" if c["cur"] > len(view["running"]) else "")]
+    for r in view["running"]:
+        line = f"  {_age(r['age']):>7}  {r['id']}  {r.get('worker') or ('abandoned' if r.get('abandoned') else '-')}  {r['what']}"
+        running.append(line + (f"  | {r['line']}" if r.get("line") else ""))
+    failures = [f"failures  {len(view['failures'])} latest" if view["failures"] else "failures  none"]
+    for f in view["failures"]:
+        said = f"{f['state']:<6}  {_clock(f['at'])}  {f['id']}  try {f.get('attempts') or '-'}"
+        if f.get("due"):
+            said += f"  retry {_clock(f['due'])}"
+        failures.append(f"  {said}  {f.get('error') or ''}".rstrip())
+    lines = _fit(head + workers, running, failures, height)
+    return [one_line(line)[:width] for line in lines]
+
+
+def _top_workers(view: dict, paused: bool) -> list[str]:
+    if not view.get("workers_seen", True):
+        return ["workers   - (seen by the spool's owner only)"]
+    lines = [f"workers   {len(view['workers'])}"]
+    for w in view["workers"]:
+        jobs = len(w.get("jobs") or {})
+        state = f"running {jobs}" if jobs else "paused" if paused else "idle"
+        if jobs and paused:
+            state += ", paused"
+        lines.append(f"  {w.get('worker')}  pid {w.get('pid')}  {state}  since {str(w.get('started_at') or '-')[:19]}")
+    return lines
+
+
+def _fit(fixed: list[str], running: list[str], failures: list[str], height: int | None) -> list[str]:
+    """The lines that fit ``height``: the fixed ones and the two section
+    heads, then as many running jobs and failures as there is room for (a
+    line says how many running jobs more)."""
+    if height is None or len(fixed) + len(running) + len(failures) <= height:
+        return fixed + running + failures
+    room = max(0, height - len(fixed) - 2)
+    failed = failures[1:][:room // 3]
+    left, ran = room - len(failed), running[1:]
+    if len(ran) > left:
+        ran = ran[:left - 1] + [f"  ... {len(ran) - left + 1} more"] if left else []
+    return (fixed + running[:1] + ran + failures[:1] + failed)[:height]
+
+
+class Terminal:
+    """``spoolq top`` on a terminal: the alternate screen, no cursor, keys
+    read one at a time without echo; all of it given back on the way out
+    (also on SIGTERM or a hang-up, which end the view as Ctrl-C does)."""
+
+    def __init__(self, out: Any, keys: Any):
+        self.out = out
+        self.keys = keys  # a terminal's stdin, or None
+        self._saved: Any = None
+        self._handlers: dict[int, Any] = {}
+
+    def __enter__(self) -> "Terminal":
+        import signal
+        import termios
+
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            self._handlers[signum] = signal.signal(signum, _interrupt)
+        if self.keys is not None:
+            fd = self.keys.fileno()
+            self._saved = termios.tcgetattr(fd)
+            mode = termios.tcgetattr(fd)
+            mode[3] &= ~(termios.ICANON | termios.ECHO)  # keys one at a time, unseen; Ctrl-C still interrupts
+            mode[6][termios.VMIN], mode[6][termios.VTIME] = 1, 0
+            termios.tcsetattr(fd, termios.TCSANOW, mode)
+        self.out.write("\x1b[?1049h\x1b[?25l")
+        self.out.flush()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        import signal
+        import termios
+
+        try:
+            self.out.write("\x1b[?25h\x1b[?1049l")
+            self.out.flush()
+        except (OSError, ValueError):
+            pass
+        if self._saved is not None:
+            termios.tcsetattr(self.keys.fileno(), termios.TCSANOW, self._saved)
+        for signum, handler in self._handlers.items():
+            signal.signal(signum, handler)
+
+    def draw(self, lines: list[str]) -> None:
+        """Over the last look, in place: each line cleared to its end, the rest of the screen below."""
+        self.out.write("\x1b[H" + "".join(line + "\x1b[K\n" for line in lines[:-1]) + (lines[-1] if lines else "")
+                       + "\x1b[K\x1b[J")
+        self.out.flush()
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def run_top(view: Any, iterations: int | None = None) -> None:
+    """``spoolq top``: a look of ``view`` (top.View) drawn in place on a
+    terminal, each time the view says one is due, until ``q`` (or Ctrl-C);
+    plain blocks one after another when stdout is no terminal. Ends after
+    ``iterations`` looks when given."""
+    out = sys.stdout
+    if out is None or not out.isatty():
+        _top_blocks(view, iterations)
+        return
+    keys = sys.stdin if sys.stdin is not None and sys.stdin.isatty() else None
+    with view, Terminal(out, keys) as screen:
+        shown = 0
+        while True:
+            try:
+                columns, rows = os.get_terminal_size(out.fileno())
+            except OSError:
+                columns, rows = 80, 24
+            lines = top_lines(view.look(), columns, rows)
+            screen.draw(lines)
+            shown += 1
+            if iterations is not None and shown >= iterations:
+                break
+            while (fd := view.wait([keys.fileno()] if keys is not None else [])) is not None:
+                pressed = os.read(fd, 64)
+                if not pressed or pressed[:1] in (b"q", b"Q"):
+                    return
+                if pressed[:1] in (b" ", b"\x0c"):  # space or Ctrl-L: look now
+                    break
+    for line in lines:  # -n ran out: its last look stays on the screen given back
+        echo(line)
+
+
+def _top_blocks(view: Any, iterations: int | None) -> None:
+    with view:
+        shown = 0
+        while True:
+            if shown:
+                echo("")
+            for line in top_lines(view.look()):
+                echo(line)
+            shown += 1
+            if iterations is not None and shown >= iterations:
+                return
+            view.wait()

@@ -297,6 +297,16 @@ class Spool(JobControl, Logs):
         """What ``status --prometheus`` shows (see metrics.py)."""
         return self.backend.metrics(on_problem)
 
+    def view(self, interval: float = 1.0, rows: int = 20) -> Any:
+        """The live view ``spoolq top`` shows (a top.View: ``look()``,
+        ``wait()``; open it with ``with``): looks taken as the spool
+        changes, at most every ``interval`` seconds, with at most ``rows``
+        running jobs."""
+        from .top import View  # imported here: start-up speed (only top needs it)
+
+        self.backend.open()
+        return View(self, interval=interval, rows=rows)
+
     # -- history -----------------------------------------------------------
 
     def compact(self, keep: float | None = None) -> dict[str, int]:

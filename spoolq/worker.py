@@ -75,6 +75,7 @@ SPIN_WINDOW = 0.002
 RELAYED_SIGNALS = procs.RELAYED_SIGNALS  # stop, stop now: from the parent of a worker pool
 STOPPING = "no new jobs; running jobs finish (a second SIGTERM or SIGINT kills them)"
 STOPPING_NOW = "running jobs are killed and go back to failed/"
+PAUSED = object()  # what _claim_next gives when a pause came before the claim
 UNAVAILABLE_BACKOFF = (0.1, 5.0)  # the first and the longest wait before trying an unreachable spool again
 
 
@@ -213,6 +214,7 @@ class Worker:
         self.listener: Listener | None = None  # carries out stop, pause and kill requests
         self.pump: Pump | None = None  # pushes running jobs' output where `spoolq logs` reads it
         self.paused = False
+        self._claiming = threading.Lock()  # a claim, and the pause that must not overtake it
         self.strategy: Serial | Slots = Serial(self, self.tuning) if jobs == 1 else Slots(self, jobs)
         self.recorder = Recorder(self)
         self.record = self.recorder.record
@@ -234,10 +236,14 @@ class Worker:
             self.waker.wake()
 
     def set_paused(self, paused: bool) -> None:
-        """Claim nothing while paused (the control listener says so)."""
+        """Claim nothing while paused (the control listener says so). A
+        claim under way ends first: once this returns, none begins."""
         if paused == self.paused:
             return
-        self.paused = paused
+        with self._claiming:
+            if paused == self.paused:
+                return
+            self.paused = paused
         self.log.line(f"worker={self.wid} {'paused: claims nothing until resumed' if paused else 'resumed'}", 1)
         if self.waker:
             self.waker.wake()
@@ -479,6 +485,9 @@ class Worker:
             if not strategy.ready():
                 break
             claim = self._claim_next()
+            if claim is PAUSED:
+                strategy.unused()
+                continue
             if claim is None:
                 strategy.unused()
                 fresh = self._between_passes(False)
@@ -492,9 +501,13 @@ class Worker:
         strategy.wait_running()
         commit.commit()
 
-    def _claim_next(self) -> Claim | None:
+    def _claim_next(self) -> Any:
+        """The next claim, None, or PAUSED when a pause came first."""
         try:
-            return self.backend.claim_next()
+            with self._claiming:
+                if self.paused:
+                    return PAUSED
+                return self.backend.claim_next()
         except Unavailable as e:  # (a database out of reach) wait, then look again
             self._unreachable(e)
             return None

@@ -35,7 +35,7 @@ LAYERS = [
     ["dirspool.working"],  # the worker's verbs
     ["dirspool.backend"],  # DirBackend: the port over a spool directory
     ["pgspool"],  # the PostgreSQL spool, behind the port (see test_pg_layers.py)
-    ["follow", "jobcontrol"],  # the facade's logs; wait, kill, stop, pause (through the port)
+    ["follow", "jobcontrol", "top"],  # the facade's logs; wait, kill, stop, pause; the live view (through the port)
     ["spool"],  # the facade: picks the backend; Spool.work is the only way to run workers
     ["bench", "metrics", "testing"],
     ["controlcli"],  # the job-control commands (wait, kill, stop, pause, resume)

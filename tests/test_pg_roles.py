@@ -111,3 +111,43 @@ def test_a_worker_runs_jobs_but_neither_changes_settings_nor_deletes_history(rol
             attempt()
     reg.close()
     assert owner.compact(0)["dropped"] == 1
+
+
+def test_a_producer_kills_or_cancels_its_own_running_job_only_and_may_not_stop_or_pause(roles, tmp_path):
+    import subprocess
+
+    from conftest import SPOOLQ, wait_for
+
+    owner, producer, _ = roles
+
+    def spoolq(url, *args):
+        env = {k: v for k, v in os.environ.items() if k != "SPOOLQ_DIR"}
+        return subprocess.run(SPOOLQ + ["-s", url, *args], capture_output=True, text=True, timeout=120, env=env)
+
+    web = producer.url
+    mine = spoolq(web, "enqueue", f"touch {tmp_path}/mine; sleep 300").stdout.strip()
+    again = spoolq(web, "enqueue", f"touch {tmp_path}/again; sleep 300").stdout.strip()
+    owners = spoolq(owner.url, "enqueue", f"touch {tmp_path}/owners; sleep 300").stdout.strip()
+    worker = subprocess.Popen(SPOOLQ + ["-s", owner.url, "work", "--watch", "-j", "3"], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_for(lambda: all((tmp_path / n).exists() for n in ("mine", "again", "owners")), what="the jobs to run")
+        for verb in ("kill", "cancel"):
+            run = spoolq(web, verb, owners)
+            assert run.returncode == 1 and run.stderr.count("\n") == 1, run.stderr
+            assert f"job {owners} was enqueued by postgres, not by webapp" in run.stderr
+        for args in (("pause",), ("stop",), ("resume",)):
+            run = spoolq(web, *args)
+            assert run.returncode == 1 and run.stderr.count("\n") == 1 and "permission denied" in run.stderr, run
+        assert '"paused": null' in spoolq(owner.url, "status", "--json").stdout
+        run = spoolq(web, "cancel", mine)
+        assert (run.returncode, run.stdout) == (0, f"cancelled {mine}\n"), run.stderr
+        run = spoolq(web, "kill", again)
+        assert (run.returncode, run.stdout) == (0, f"cancelled {again}\n"), run.stderr
+        assert owner.get(owners)["state"] == "cur"
+        assert [owner.get(j)["outcome"] for j in (mine, again)] == ["cancelled", "cancelled"]
+        assert owner.get(mine)["history"][-1]["error"] == "cancelled by webapp"
+        assert spoolq(web, "kill", mine).returncode == 1  # not running any more
+    finally:
+        spoolq(owner.url, "stop", "--now")
+        worker.wait(60)

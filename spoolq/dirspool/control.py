@@ -40,6 +40,9 @@ STATES = (("new", Inotify.ARRIVALS | Inotify.MOVED_FROM | Inotify.DELETE),
           ("dead", Inotify.ARRIVALS | Inotify.MOVED_FROM | Inotify.DELETE),
           ("done", Inotify.ARRIVALS | Inotify.MOVED_FROM | Inotify.DELETE))
 WORKERS = (("workers", Inotify.ARRIVALS | Inotify.DELETE | Inotify.CLOSE_WRITE | Inotify.CLOSE_NOWRITE),)
+#: A live view's registrations: made, rewritten, removed (not a reader's
+#: close, which the view's own reading would cause).
+REGISTRATIONS = ("workers", Inotify.ARRIVALS | Inotify.DELETE | Inotify.CLOSE_WRITE)
 CONTROL_EVENTS = Inotify.ARRIVALS | Inotify.DELETE | Inotify.MOVED_FROM
 OUTPUT_EVENTS = Inotify.CREATE | Inotify.MODIFY | Inotify.DELETE
 
@@ -235,10 +238,15 @@ class ControlDir:
         (done/, dead/, failed/ arrivals), "states" (every state folder's
         comings and goings), "workers" (registrations made, closed, removed),
         "output" (running jobs' output written; nothing when out/ is not
-        made yet and this user may not make it)."""
+        made yet and this user may not make it), "view" (what a live view
+        shows: the states, registrations made, rewritten or removed, and the
+        control folder, each as far as this user may watch it)."""
         ino = Inotify()
         try:
             for kind in kinds:
+                if kind == "view":
+                    self._watch_view(ino)
+                    continue
                 if kind == "control":
                     self.fd()
                     ino.add(self.path(), CONTROL_EVENTS, CONTROL)
@@ -260,6 +268,17 @@ class ControlDir:
             ino.close()
             raise
         return Watch(ino)
+
+    def _watch_view(self, ino: Inotify) -> None:
+        for folder, mask in STATES:
+            ino.add(os.path.join(self.spool.root, folder), mask, folder)
+        if self.member:
+            return  # registrations, control/ and drop/ are the owner's to watch
+        ino.add(os.path.join(self.spool.root, REGISTRATIONS[0]), REGISTRATIONS[1], REGISTRATIONS[0])
+        if self.fd(create=False) is not None:  # (a view makes nothing: a pause made later is seen on its tick)
+            ino.add(self.path(), CONTROL_EVENTS, CONTROL)
+        if self.spool.shared:
+            ino.add(os.path.join(self.spool.root, "drop"), Inotify.ARRIVALS | Inotify.MOVED_FROM | Inotify.DELETE, "drop")
 
 
 class Watch:

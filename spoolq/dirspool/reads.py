@@ -10,6 +10,7 @@ gives: ``path``, ``dir``, ``settings``, ``context()``, ``index()`` and
 
 from __future__ import annotations
 
+import heapq
 import os
 from typing import Any, Callable, Iterator
 
@@ -250,6 +251,20 @@ class DirReads:
             return {}
         live = {k for w in workers for k in (w.get("kinds") or []) if isinstance(k, str)}
         return {str(k): min(n, waiting) for k, n in note["waiting"].items() if k not in live and n > 0}
+
+    def recent(self, state: str, limit: int) -> list[dict[str, Any]]:
+        """The ``limit`` newest files of ``state`` by modification time (a
+        finished job's is its finish, a failed one's its due time), newest
+        first: one listing with the files' times, and those files read."""
+        self._open()
+        newest = heapq.nlargest(limit, ((st.st_mtime_ns, name) for name, st in self.dir.entries(state)))
+        found = []
+        for _, name in newest:
+            try:
+                found.append(self._read_record(state, name))
+            except FileNotFoundError:
+                continue  # moved on meanwhile
+        return found
 
     def list(
         self, state: str | None = None, limit: int | None = None, since: float | None = None

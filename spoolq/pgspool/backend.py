@@ -218,6 +218,11 @@ class PgBackend:
         return reads.counts(self._conn("auto"))
 
     @_db
+    def recent(self, state: str, limit: int) -> list[dict]:
+        self.open()
+        return reads.recent(self._conn("auto"), state, limit)
+
+    @_db
     def live_workers(self) -> list[dict]:
         self.open()
         return reads.live_workers(self._conn("auto"))

@@ -122,6 +122,13 @@ def listing(conn, state: str | None = None, limit: int | None = None,
             left -= len(rows)
 
 
+def recent(conn, state: str, limit: int) -> list[dict[str, Any]]:
+    """The ``limit`` rows of ``state`` (a shown name) newest first by their
+    time (a finish; a failed job's due time), purged dead jobs left out."""
+    return [shaped(row) for row in conn.execute(
+        ROW + " WHERE j.state = %s AND NOT j.purged ORDER BY j.at DESC, j.id DESC LIMIT %s", (STORED[state], limit))]
+
+
 def live_workers(conn) -> list[dict[str, Any]]:
     """The live workers: who, where, since when, and the jobs they run
     (with the attempt, start and process group of each run)."""

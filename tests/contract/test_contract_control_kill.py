@@ -212,7 +212,76 @@ def _member_kills(users, spoolq, out, mine, owners):
         run = spoolq(users.evil, "kill", owners)
         assert run.returncode == 1 and "not trusted" in run.stderr, run.stderr
         run = spoolq(users.web, "cancel", mine)
-        assert (run.returncode, run.stdout) == (0, f"cancelled {mine}\n"), run.stderr
+        assert run.returncode == 0 and run.stdout in (f"cancelled {mine}\n", f"asked job {mine} to stop; it has ended "
+                                                      "(whether cancelled is readable by the spool's owner only)\n"), run.stderr
         show = json.loads(spoolq(users.owner, "show", owners, "--json").stdout)
         assert show["state"] == "cur"
         assert spoolq(users.owner, "kill", owners).returncode == 0
+
+
+def test_once_pause_returns_no_worker_claims_a_job_until_resume(cspool):
+    s = cspool
+    pool = _watching(s, "-j", "2")
+    single = _watching(s)
+    wait_for(lambda: len(s.status()["workers"]) == 3, what="three workers to start")
+    try:
+        api = s.api()
+        for _ in range(5):
+            assert api.pause() is True
+            jobs = [api.enqueue("true") for _ in range(3)]  # at once: no worker may be about to claim
+            time.sleep(1.0)
+            assert _ids(s, "cur") + _ids(s, "done") == [], "a job was claimed after pause returned"
+            assert s.run("resume").stdout == "resumed\n"
+            assert s.run("wait", "--timeout", "60", *jobs, check=False).returncode == 0
+            s.run("compact", "--keep", "0", "--yes")
+    finally:
+        for proc in (pool, single):
+            proc.terminate()
+            proc.wait(60)
+
+
+def test_cancel_of_a_run_that_ignores_sigterm_says_it_is_still_stopping_within_seconds(cspool, tmp_path):
+    s = cspool
+    s.config("timeout_grace", "20")
+    job = s.enqueue(f"trap '' TERM; touch {tmp_path}/began; sleep 300")
+    worker = _watching(s)
+    try:
+        wait_for(lambda: (tmp_path / "began").exists(), what="the job to start")
+        began = time.monotonic()
+        run = s.run("cancel", job, check=False)
+        assert time.monotonic() - began < 18  # a few seconds, not the whole grace
+        assert (run.returncode, run.stdout) == (0, f"asked job {job} to stop; it is still stopping "
+                                                   "(SIGKILL follows timeout_grace after SIGTERM)\n"), run.stderr
+        assert _where(s, job) == ["cur"]
+        assert s.run("wait", "--timeout", "60", job, check=False).returncode == 1  # killed by the SIGKILL
+        assert s.show(job)["outcome"] == "cancelled"
+    finally:
+        worker.terminate()
+        worker.wait(60)
+
+
+def test_cancel_of_a_running_job_says_what_really_happened_to_it(cspool, tmp_path):
+    """The job ends on its own while its worker cannot take the request
+    (stopped): whichever comes first, the line says what the record says."""
+    s = cspool
+    job = s.enqueue(f"touch {tmp_path}/began; sleep 1")
+    worker = _watching(s)
+    try:
+        wait_for(lambda: (tmp_path / "began").exists(), what="the job to start")
+        os.kill(worker.pid, signal.SIGSTOP)
+        try:
+            cancel = s.popen("cancel", job, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            time.sleep(2.5)  # the job's sleep ends meanwhile
+        finally:
+            os.kill(worker.pid, signal.SIGCONT)
+        out, err = cancel.communicate(timeout=60)
+        record = s.show(job)
+        assert record["state"] == "done", record
+        if record["outcome"] == "cancelled":
+            assert (cancel.returncode, out) == (0, f"cancelled {job}\n"), err
+        else:
+            assert record["outcome"] == "succeeded"
+            assert (cancel.returncode, out) == (1, f"{job} succeeded exit=0 (it ended before the cancel reached it)\n"), err
+    finally:
+        worker.terminate()
+        worker.wait(60)
