@@ -11,6 +11,7 @@ and the API cannot drift apart::
 from __future__ import annotations
 
 import os
+import sys
 import time
 from typing import Any, Callable, Mapping
 
@@ -332,17 +333,18 @@ class Spool(Views):
 
     # -- history -----------------------------------------------------------
 
-    def compact(self, keep: float | None = None) -> dict[str, int]:
+    def compact(self, keep: float | None = None, stop: Callable[[], bool] | None = None) -> dict[str, int]:
         """Fold done/ into index.db (each file removed once its row is
         committed), drop history older than ``keep`` seconds, and remove
         tmp/ files older than 36 hours. ``keep=0`` drops every finished
         job's row, the ones just folded included (the command asks for
-        ``--yes`` before it does that)."""
+        ``--yes`` before it does that). ``stop``, asked after each batch
+        of files folded, ends the folding early when it returns True."""
         from .compact import compact  # imported here: start-up speed (as the index)
 
         self._open(create=True)
         self.dir.require_owner("compact it")
-        return compact(self.dir, self.index(create=True), self.settings, keep)
+        return compact(self.dir, self.index(create=True), self.settings, keep, stop)
 
     def purge_dead(self, older_than: float) -> dict[str, int]:
         """Clear dead jobs older than ``older_than`` seconds into index.db."""
@@ -547,7 +549,10 @@ class Spool(Views):
             ran, clean = run_workers(lambda **kw: Spool(path)._worker(**options, **kw), jobs, max_jobs, options["log"])
             return WorkResult(ran, clean)
         worker = self._worker(jobs=jobs, max_jobs=max_jobs, signals=signals, **options)
-        ran = worker.run()
+        try:
+            ran = worker.run()
+        finally:
+            _end_compaction(worker)
         return WorkResult(ran, not worker.failed_to_record)
 
     def _worker(self, **options: Any):
@@ -556,8 +561,48 @@ class Spool(Views):
         from .store import DirStore  # imported here: start-up speed (the store pulls in the runner and the watcher)
         from .worker import Worker  # (as the store)
 
+        from .autocompact import Beside  # (as the store)
+
         self._open(create=True)
-        return Worker(DirStore(self.context()), compact=self.compact, **options)
+        # The worker's automatic compaction runs in a process of its own
+        # (see autocompact.py), which ends when this one closes its end of
+        # the pipe: in a pool's worker process, when that process exits.
+        program = [sys.executable, "-I", "-c", _COMPACT_BESIDE, os.path.dirname(os.path.dirname(__file__)), self.path]
+        settings = self.settings
+        done = SpoolDir(self.path, fsync=False)  # descriptors of its own for the counting thread
+        worker: Any = None
+
+        def report(result: dict[str, Any]) -> None:
+            if "error" in result:
+                worker.log.line(f"worker={worker.wid} compaction failed: {result['error']}", 0)
+            elif result.get("folded"):
+                worker.log.line(f"worker={worker.wid} compacted {result['folded']} jobs into index.db in {result['seconds']}s", 1)
+
+        beside = Beside(program, lambda: done.count("done"), lambda: int(settings["compact_after"]), self.compact,
+                        report, done.close)
+        worker = Worker(DirStore(self.context()), compact=beside, **options)
+        beside.start()
+        return worker
+
+
+# The program of a worker's compaction process: isolated (-I), so that
+# neither the current folder nor PYTHON* variables choose the code it runs,
+# with this very spoolq first on its path.
+_COMPACT_BESIDE = "import sys; sys.path.insert(0, sys.argv[1]); from spoolq.spool import compact_beside; compact_beside(sys.argv[2])"
+
+
+def compact_beside(path: str) -> None:
+    """The body of a worker's compaction process (see autocompact.py)."""
+    from .autocompact import serve
+
+    serve(lambda stop: Spool(path).compact(stop=stop))
+
+
+def _end_compaction(worker: Any) -> None:
+    """Stop a worker's compaction process once its batch in hand is done."""
+    ending = getattr(worker.compact, "close", None)
+    if ending is not None:
+        ending()
 
 
 class WorkResult(int):

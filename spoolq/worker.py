@@ -709,11 +709,12 @@ class Worker:
             if self.store.count_done() <= limit:
                 return
             self.commit.commit()
-            result = self.compact()
+            result = self.compact()  # None: under way beside the worker (see autocompact.py)
         except Exception as e:  # the index is history: never stop the worker for it
             self.log.line(f"worker={self.wid} compaction failed: {e}", 0)
             return
-        self.log.line(f"worker={self.wid} compacted {result['folded']} jobs into index.db in {result['seconds']}s", 1)
+        if result is not None:
+            self.log.line(f"worker={self.wid} compacted {result['folded']} jobs into index.db in {result['seconds']}s", 1)
 
     def _sleep_for(self, next_due: int | None, later: int | None = None) -> float | None:
         """How long the dispatcher may sleep: until the next due time (watch

@@ -24,7 +24,7 @@ LAYERS = [
     ["output", "waker"],
     ["registry", "runner", "watcher"],
     ["forkserver", "index", "transitions"],
-    ["compact", "pickup", "recovery"],
+    ["autocompact", "compact", "pickup", "recovery"],
     ["store"],  # the narrow storage interface the worker uses, and the directory's
     ["commit", "outcomes", "strategies"],  # group commit; recording outcomes; -j 1 and -j N
     ["worker"],

@@ -1,0 +1,163 @@
+"""A worker's automatic compaction, run in a process of its own beside the
+worker: the worker starts it and collects what it did; the process folds
+done/ into the index as ``spoolq compact`` does, on another CPU.
+
+Folding a finished job costs about what running a no-op job does (locking,
+reading and checking its file, its rows, and removing the file, which on
+some filesystems waits for the disk), so a worker that folded in line would
+spend close to half its time on history. Beside it, the worker's process
+only counts done/ now and then and starts the compaction process when
+done/ holds more than ``compact_after`` files.
+
+The process is told to stop by the end of its standard input: the worker
+closes its end when it ends (or the kernel does, when the worker dies), and
+the process then stops once the batch in hand is committed and its files
+removed (a crash of either at any instant is a killed compaction: nothing
+lost, nothing counted twice). What it did not reach stays in done/ for the
+next compaction. It writes what it did as one JSON line on its standard
+output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+RESULT_WAIT = 600.0  # seconds an ending worker waits for its compaction's batch in hand at most
+CHECK_SECONDS = 0.5  # how often done/ is counted beside the worker
+# History waits for CPU time that jobs leave over: on a busy machine the
+# worker keeps its pace and done/ grows until the compaction catches up.
+NICENESS = 10
+
+
+class Beside:
+    """The worker's side. A thread counts done/ every CHECK_SECONDS (a
+    worker's own checks come only between its passes, and one pass of a
+    large backlog takes minutes) and starts the process when done/ holds
+    more than ``limit()`` files and none runs. ``__call__`` (the worker's
+    check, when done/ is over the limit) starts one too and returns None;
+    ``close`` stops the thread and the process. What each process did, or
+    why it failed, goes to ``report(result)`` as it ends (a dict with
+    ``folded`` and ``seconds``, or with ``error``).
+    ``program``: the command that runs ``serve`` for this spool; ``count``:
+    the files in done/ (on descriptors of its own: the worker's are not
+    shared across threads); ``in_line``: the compaction itself, run in the
+    worker's process when no process can be started; ``on_close``: lets
+    go of what ``count`` holds."""
+
+    def __init__(self, program: list[str], count: Callable[[], int], limit: Callable[[], int],
+                 in_line: Callable[[], dict[str, Any]], report: Callable[[dict[str, Any]], None],
+                 on_close: Callable[[], None] = lambda: None):
+        self.program = program
+        self.report = report
+        self.on_close = on_close
+        self.count = count
+        self.limit = limit
+        self.in_line = in_line
+        self._proc: subprocess.Popen | None = None
+        self._lock = threading.Lock()
+        self._closing = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self.program and self.program[0]:  # (an embedded Python has no interpreter to start)
+            self._thread = threading.Thread(target=self._watch, name="spoolq-compact", daemon=True)
+            self._thread.start()
+
+    def __call__(self) -> dict[str, Any] | None:
+        if self._thread is None:
+            return self.in_line()
+        with self._lock:
+            self._reap()
+            if self._proc is None:
+                self._spawn()
+        return None
+
+    def close(self) -> None:
+        """Stop the thread, tell the process to stop after the batch in
+        hand, and wait for it."""
+        self._closing.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.on_close()
+        with self._lock:
+            proc = self._proc
+            if proc is not None:
+                stdin, proc.stdin = proc.stdin, None  # (communicate would flush it)
+                try:
+                    stdin.close()
+                except OSError:
+                    pass
+                try:
+                    proc.wait(RESULT_WAIT)
+                except subprocess.TimeoutExpired:
+                    # Waiting for a lock of the index (another compaction's):
+                    # left to finish by itself, as a compaction run by hand.
+                    self._proc = None
+                self._reap()
+
+    def _watch(self) -> None:
+        while not self._closing.wait(CHECK_SECONDS):
+            try:
+                with self._lock:
+                    self._reap()
+                    if self._proc is None and 0 < self.limit() < self.count():
+                        self._spawn()
+            except Exception as e:  # the thread goes on, and tries again
+                self.report({"error": f"{type(e).__name__}: {e}"})
+
+    def _spawn(self) -> None:
+        self._proc = subprocess.Popen(self.program, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, close_fds=True, start_new_session=True)
+
+    def _reap(self) -> None:
+        proc = self._proc
+        if proc is None or proc.poll() is None:
+            return
+        self._proc = None
+        out, err = proc.communicate()
+        try:
+            result = json.loads(out.decode("utf-8", "replace").strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            if proc.returncode < 0:  # killed: a compaction cut short, as by hand
+                return
+            said = err.decode("utf-8", "replace").strip().splitlines()
+            result = {"error": said[-1] if said else f"the compaction process ended with status {proc.returncode}"}
+        self.report(result)
+
+
+def stop_asked() -> bool:
+    """Whether standard input has ended: the worker has asked this process
+    to stop (or has died)."""
+    try:
+        readable, _, _ = select.select([0], [], [], 0)
+    except (OSError, ValueError):
+        return True
+    if not readable:
+        return False
+    try:
+        return os.read(0, 1) == b""
+    except OSError:
+        return True
+
+
+def serve(compact: Callable[[Callable[[], bool]], dict[str, Any]]) -> None:
+    """The process's body: ``compact(stop)``, then what it did (or why it
+    failed) on standard output."""
+    started = time.monotonic()
+    try:
+        os.nice(NICENESS)
+    except OSError:
+        pass
+    try:
+        result = dict(compact(stop_asked))
+    except Exception as e:  # told to the worker, which logs it and goes on
+        result = {"error": str(e) or type(e).__name__, "seconds": round(time.monotonic() - started, 3)}
+    sys.stdout.write(json.dumps(result) + "\n")
+    sys.stdout.flush()
