@@ -34,6 +34,7 @@ CHECK_SECONDS = 0.5  # how often done/ is counted beside the worker
 # History waits for CPU time that jobs leave over: on a busy machine the
 # worker keeps its pace and done/ grows until the compaction catches up.
 NICENESS = 10
+RETRY_SECONDS = 60.0  # after a failed compaction, the thread starts the next one no sooner
 
 
 class Beside:
@@ -63,6 +64,7 @@ class Beside:
         self._proc: subprocess.Popen | None = None
         self._lock = threading.Lock()
         self._closing = threading.Event()
+        self._retry_at = 0.0
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -107,9 +109,10 @@ class Beside:
             try:
                 with self._lock:
                     self._reap()
-                    if self._proc is None and 0 < self.limit() < self.count():
+                    if self._proc is None and time.monotonic() >= self._retry_at and 0 < self.limit() < self.count():
                         self._spawn()
-            except Exception as e:  # the thread goes on, and tries again
+            except Exception as e:  # the thread goes on, and tries again later
+                self._retry_at = time.monotonic() + RETRY_SECONDS
                 self.report({"error": f"{type(e).__name__}: {e}"})
 
     def _spawn(self) -> None:
@@ -129,6 +132,8 @@ class Beside:
                 return
             said = err.decode("utf-8", "replace").strip().splitlines()
             result = {"error": said[-1] if said else f"the compaction process ended with status {proc.returncode}"}
+        if "error" in result:  # (a broken index.db would fail every half second)
+            self._retry_at = time.monotonic() + RETRY_SECONDS
         self.report(result)
 
 
