@@ -23,11 +23,14 @@ from __future__ import annotations
 import json
 import os
 import select
+import signal
 import subprocess
 import sys
 import threading
 import time
 from typing import Any, Callable
+
+from . import procs
 
 RESULT_WAIT = 600.0  # seconds an ending worker waits for its compaction's batch in hand at most
 CHECK_SECONDS = 0.5  # how often done/ is counted beside the worker
@@ -49,15 +52,12 @@ class Beside:
     ``program``: the command that runs ``serve`` for this spool; ``count``:
     the files in done/ (on descriptors of its own: the worker's are not
     shared across threads); ``in_line``: the compaction itself, run in the
-    worker's process when no process can be started; ``on_close``: lets
-    go of what ``count`` holds."""
+    worker's process when no process can be started."""
 
     def __init__(self, program: list[str], count: Callable[[], int], limit: Callable[[], int],
-                 in_line: Callable[[], dict[str, Any]], report: Callable[[dict[str, Any]], None],
-                 on_close: Callable[[], None] = lambda: None):
+                 in_line: Callable[[], dict[str, Any]], report: Callable[[dict[str, Any]], None]):
         self.program = program
         self.report = report
-        self.on_close = on_close
         self.count = count
         self.limit = limit
         self.in_line = in_line
@@ -70,7 +70,8 @@ class Beside:
     def start(self) -> None:
         if self.program and self.program[0]:  # (an embedded Python has no interpreter to start)
             self._thread = threading.Thread(target=self._watch, name="spoolq-compact", daemon=True)
-            self._thread.start()
+            with procs.signals_to_main_thread():  # a stop signal must reach the worker's main thread
+                self._thread.start()
 
     def __call__(self) -> dict[str, Any] | None:
         if self._thread is None:
@@ -87,7 +88,6 @@ class Beside:
         self._closing.set()
         if self._thread is not None:
             self._thread.join()
-        self.on_close()
         with self._lock:
             proc = self._proc
             if proc is not None:
@@ -156,6 +156,9 @@ def serve(compact: Callable[[Callable[[], bool]], dict[str, Any]]) -> None:
     """The process's body: ``compact(stop)``, then what it did (or why it
     failed) on standard output."""
     started = time.monotonic()
+    # Started from the worker's counting thread, which blocks the stop
+    # signals (see start): this process answers them as any other does.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, procs.HANDLED_SIGNALS)
     try:
         os.nice(NICENESS)
     except OSError:

@@ -559,9 +559,8 @@ class Spool(Views):
         """A Worker on this spool: the spool directory as its store (with the
         shared settings) and this spool's compaction, nothing more of the facade."""
         from .store import DirStore  # imported here: start-up speed (the store pulls in the runner and the watcher)
-        from .worker import Worker  # (as the store)
-
         from .autocompact import Beside  # (as the store)
+        from .worker import Worker  # (as the store)
 
         self._open(create=True)
         # The worker's automatic compaction runs in a process of its own
@@ -569,7 +568,24 @@ class Spool(Views):
         # the pipe: in a pool's worker process, when that process exits.
         program = [sys.executable, "-I", "-c", _COMPACT_BESIDE, os.path.dirname(os.path.dirname(__file__)), self.path]
         settings = self.settings
-        done = SpoolDir(self.path, fsync=False)  # descriptors of its own for the counting thread
+        done = os.path.join(self.path, "done")
+
+        def count_done() -> int:
+            """The files in done/, on a descriptor of the counting thread's
+            own, held only while it counts (the worker's descriptors are
+            neither shared across threads nor to be outnumbered: see
+            procs.open_file_limit). 0 when it cannot be had now. Only a
+            hint: the compaction process opens the spool with every check."""
+            try:
+                fd = os.open(done, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except OSError:
+                return 0
+            try:
+                with os.scandir(fd) as it:
+                    return sum(1 for entry in it if entry.name[0] != ".")
+            finally:
+                os.close(fd)
+
         worker: Any = None
 
         def report(result: dict[str, Any]) -> None:
@@ -578,8 +594,7 @@ class Spool(Views):
             elif result.get("folded"):
                 worker.log.line(f"worker={worker.wid} compacted {result['folded']} jobs into index.db in {result['seconds']}s", 1)
 
-        beside = Beside(program, lambda: done.count("done"), lambda: int(settings["compact_after"]), self.compact,
-                        report, done.close)
+        beside = Beside(program, count_done, lambda: int(settings["compact_after"]), self.compact, report)
         worker = Worker(DirStore(self.context()), compact=beside, **options)
         beside.start()
         return worker
