@@ -546,6 +546,20 @@ class SpoolDir:
                     n += 1
         return n
 
+    def count_apart(self, folder: str) -> int:
+        """``count(folder)`` on a descriptor of its own, held only while it
+        counts: for a thread beside the worker (a folder's descriptor shares
+        its read position with every duplicate). 0 when it cannot be had now."""
+        try:
+            fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=self.fd(folder))
+        except (OSError, SpoolError):
+            return 0
+        try:
+            with os.scandir(fd) as it:
+                return sum(1 for entry in it if entry.name[0] != ".")
+        finally:
+            os.close(fd)
+
     def entries(self, folder: str) -> Iterator[tuple[str, os.stat_result]]:
         """(name, lstat) of each entry of a folder, dot-files left out."""
         fd = self.fd(folder)
