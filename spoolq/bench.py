@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from . import config
 from .linux import syncfs
 from .output import Log
 from .pool import run_workers
@@ -52,8 +53,9 @@ class Figure:
 class Bench:
     """A run of measurements in one scratch directory."""
 
-    def __init__(self, root: str, jobs: int, fsync: bool, progress: bool = True):
+    def __init__(self, root: str, jobs: int, fsync: bool, progress: bool = True, settings: dict[str, Any] | None = None):
         self.root = root
+        self.settings = settings or {}  # the measured spool's own settings (those config.json sets), for the scale section
         self.jobs = jobs
         self.fsync = fsync
         self.progress = progress
@@ -62,13 +64,20 @@ class Bench:
 
     # -- helpers -----------------------------------------------------------
 
-    def fresh_spool(self, tag: str) -> Spool:
+    def fresh_spool(self, tag: str, settings: dict[str, Any] | None = None) -> Spool:
+        """A scratch spool with the bench's fsync and, unless ``settings``
+        are given (a spool's own, compaction included), no compaction."""
         self._n += 1
         path = os.path.join(self.root, f"{self._n:02d}-{tag}")
         spool = Spool(path)
         spool.init()
+        for key, value in (settings or {"compact_after": 0}).items():
+            try:
+                spool.config_set(key, value)
+            except ValueError:  # a setting this scratch spool cannot take (a user name, say): its default
+                if key == "compact_after":
+                    raise
         spool.config_set("fsync", self.fsync)
-        spool.config_set("compact_after", 0)
         return Spool(path)
 
     def add(self, fig: Figure) -> Figure:
@@ -533,7 +542,8 @@ class Scale:
         """One measurement of the scale section at one queue size, in a
         fresh spool; returns its figures by name (the spool, and how many of
         its jobs the worker finished, are kept for the history section)."""
-        spool = self.bench.fresh_spool(f"scale-{size}")
+        spool = self.bench.fresh_spool(f"scale-{size}", dict(self.bench.settings, compact_after=self.bench.settings.get(
+            "compact_after", config.DEFAULTS["compact_after"])))
         tail = min(1000, size)
         for start in range(0, size - tail, 10000):
             spool.enqueue_many([{"kind": "noop"}] * min(10000, size - tail - start))
@@ -561,10 +571,15 @@ class Scale:
         _, outputs = _run_together([[sys.executable, "-c", _WORKER_DRAIN, spool.path]])
         ran, drain, rss_kb = outputs[0].split()
         rss_mb = int(rss_kb) / 1024
+        counts = spool.status()
+        limit = int(spool.settings["compact_after"])
         fig = self.bench.add(Figure(f"scale_drain_{label}", int(ran), float(drain),
                                     note=f"a worker (Spool.work, as `spoolq work --app` runs it) draining {int(ran):,} "
-                                         f"no-op handler jobs; its peak RSS {rss_mb:.0f} MB"))
-        fig.extra["peak_rss_mb"] = round(rss_mb, 1)
+                                         f"no-op handler jobs with compact_after {limit} (its compaction's stop at the end "
+                                         f"included): {counts['compacted']:,} compacted, {counts['done_files']:,} left in "
+                                         f"done/; its peak RSS {rss_mb:.0f} MB"))
+        fig.extra.update(peak_rss_mb=round(rss_mb, 1), compact_after=limit, compacted=counts["compacted"],
+                         done_files=counts["done_files"])
         figs.append(fig)
         self._history_spool = (spool, size - bare.jobs)
         return {f.name: f for f in figs}
@@ -755,7 +770,7 @@ def run(spool_path: str, jobs: int, fsync: bool, sections: tuple[str, ...] = SEC
     os.makedirs(spool_path, exist_ok=True)
     root = os.path.join(spool_path, f".bench-{os.getpid()}")
     os.makedirs(root)
-    bench = Bench(root, jobs, fsync, progress)
+    bench = Bench(root, jobs, fsync, progress, _own_settings(spool_path))
     try:
         bench.say(f"scratch spool {root}, fsync {'on' if fsync else 'off'}, {jobs:,} jobs")
         if "enqueue" in sections:
@@ -788,6 +803,17 @@ def run(spool_path: str, jobs: int, fsync: bool, sections: tuple[str, ...] = SEC
         if not keep:
             shutil.rmtree(root, ignore_errors=True)
     return bench
+
+
+def _own_settings(spool_path: str) -> dict[str, Any]:
+    """The settings the spool's config.json sets (fsync aside: the bench
+    has its own), for the scale section's spools; none when the folder is
+    no spool."""
+    try:
+        settings = Spool(spool_path).settings
+        return {k: settings[k] for k in config.DEFAULTS if k != "fsync" and settings[k] != config.DEFAULTS[k]}
+    except Exception:  # no spool, or one whose config.json does not read: the defaults
+        return {}
 
 
 def _drain_section(bench: Bench, jobs: int) -> None:

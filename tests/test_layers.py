@@ -30,7 +30,7 @@ LAYERS = [
     ["dirspool.mounts", "dirspool.protocol"],  # which filesystem the spool is on; paths, locks, syncs, renames
     ["dirspool.control", "dirspool.registry", "dirspool.watcher"],
     ["dirspool.commit", "dirspool.index", "dirspool.transitions"],
-    ["dirspool.compact", "dirspool.metrics", "dirspool.pickup", "dirspool.recovery"],
+    ["dirspool.autocompact", "dirspool.compact", "dirspool.metrics", "dirspool.pickup", "dirspool.recovery"],
     ["dirspool.passes", "dirspool.reads"],  # a worker's walk over the due jobs; the read side
     ["dirspool.working"],  # the worker's verbs
     ["dirspool.backend"],  # DirBackend: the port over a spool directory

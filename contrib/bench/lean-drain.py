@@ -11,12 +11,18 @@ rename into done/, close. It skips everything spoolq adds around that
 (registration, look-ahead, group commit, error handling, logging). The other
 spool is drained by spoolq's own worker, and a third queue, the SQLite-table
 queue of `spoolq bench --compare sqlite` (synchronous NORMAL), is filled
-with N rows and drained by its own loop. Prints the three costs per job.
+with N rows and drained by its own loop. Where huey is installed in the
+same environment (`pip install huey`; spoolq does not need it), a fourth:
+huey's SqliteHuey (fsync off, as the spools), N no-op tasks run one after
+the other by the loop its consumer's worker runs (dequeue, execute). The
+order of the queues turns from round to round, so that the machine's drift
+spreads over all; the medians close the output. Prints the costs per job.
 Removes nothing; delete SCRATCH_DIR afterwards.
 """
 
 import fcntl
 import os
+import statistics
 import sys
 import time
 
@@ -80,22 +86,74 @@ def sqlite_normal(path: str, n: int) -> float:
     return seconds
 
 
+def huey_drain(path: str, n: int) -> float | None:
+    """SqliteHuey, fsync off: N no-op tasks enqueued, then dequeued and
+    executed one by one as a consumer's worker does; None without huey."""
+    try:
+        from huey import SqliteHuey
+    except ImportError:
+        return None
+    huey = SqliteHuey("bench", filename=path, fsync=False)
+
+    @huey.task()
+    def noop() -> None:
+        return None
+
+    for _ in range(n):
+        noop()
+    start = time.perf_counter()
+    ran = 0
+    while (task := huey.dequeue()) is not None:
+        huey.execute(task)
+        ran += 1
+    seconds = time.perf_counter() - start
+    assert ran == n, (ran, n)
+    return seconds
+
+
 def main() -> None:
     root = sys.argv[1]
     n = int(sys.argv[2]) if len(sys.argv) > 2 else 10000
     rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 3
     os.makedirs(root, exist_ok=True)
-    for r in range(rounds):
-        lean_path, worker_path = os.path.join(root, f"lean-{r}"), os.path.join(root, f"worker-{r}")
-        fill(lean_path, n)
-        spool = fill(worker_path, n)
-        ran, lean = lean_drain(lean_path)
+    costs: dict[str, list[float]] = {}
+
+    def lean(r: int) -> float | None:
+        path = os.path.join(root, f"lean-{r}")
+        fill(path, n)
+        ran, seconds = lean_drain(path)
+        return seconds / ran
+
+    def worker(r: int) -> float | None:
+        spool = fill(os.path.join(root, f"worker-{r}"), n)
         start = time.perf_counter()
         worked = spool.work(handlers={"noop": lambda payload: None}, signals=False)
-        drain = time.perf_counter() - start
-        sqlite = sqlite_normal(os.path.join(root, f"sqlite-{r}.db"), n)
-        print(f"round {r + 1}: lean loop {lean / ran * 1e6:.1f} us/job, spoolq worker {drain / worked * 1e6:.1f} us/job, "
-              f"SQLite-table queue (NORMAL) {sqlite / n * 1e6:.1f} us/job")
+        return (time.perf_counter() - start) / worked
+
+    def sqlite(r: int) -> float | None:
+        return sqlite_normal(os.path.join(root, f"sqlite-{r}.db"), n) / n
+
+    def huey(r: int) -> float | None:
+        seconds = huey_drain(os.path.join(root, f"huey-{r}.db"), n)
+        return None if seconds is None else seconds / n
+
+    queues = [("lean loop", lean), ("spoolq worker", worker), ("SQLite-table queue (NORMAL)", sqlite),
+              ("huey SqliteHuey (fsync off)", huey)]
+    for r in range(rounds):
+        said = []
+        for name, drain in queues[r % len(queues):] + queues[:r % len(queues)]:
+            cost = drain(r)
+            if cost is not None:
+                costs.setdefault(name, []).append(cost)
+                said.append(f"{name} {cost * 1e6:.1f} us/job")
+        print(f"round {r + 1}: " + ", ".join(said), flush=True)
+    medians = {name: statistics.median(c) for name, c in costs.items()}
+    print(f"medians of {rounds} rounds: " + ", ".join(f"{name} {m * 1e6:.1f} us/job ({1 / m:,.0f}/s)"
+                                                    for name, m in medians.items()))
+    worker_cost = medians["spoolq worker"]
+    print(f"spoolq worker against the lean loop: {medians['lean loop'] / worker_cost:.2f}x its rate"
+          + (f"; against huey: {medians['huey SqliteHuey (fsync off)'] / worker_cost:.2f}x"
+             if "huey SqliteHuey (fsync off)" in medians else ""))
 
 
 if __name__ == "__main__":

@@ -315,17 +315,18 @@ class DirBackend(DirReads, WorkerSide):
 
     # -- history -----------------------------------------------------------
 
-    def compact(self, keep: float | None = None) -> dict[str, int]:
+    def compact(self, keep: float | None = None, stop: Callable[[], bool] | None = None) -> dict[str, int]:
         """Fold done/ into index.db (each file removed once its row is
         committed), drop history older than ``keep`` seconds, and remove
         tmp/ files older than 36 hours. ``keep=0`` drops every finished
         job's row, the ones just folded included (the command asks for
-        ``--yes`` before it does that)."""
+        ``--yes`` before it does that). ``stop``, asked after each batch
+        of files folded, ends the folding early when it returns True."""
         from .compact import compact  # imported here: start-up speed (as the index)
 
         self._open(create=True)
         self.dir.require_owner("compact it")
-        return compact(self.dir, self.index(create=True), self.settings, keep)
+        return compact(self.dir, self.index(create=True), self.settings, keep, stop)
 
     def purge_dead(self, older_than: float) -> dict[str, int]:
         """Clear dead jobs older than ``older_than`` seconds into index.db."""
@@ -514,3 +515,10 @@ def _reason(error: Exception) -> str:
     if isinstance(error, OSError) and error.strerror:
         return error.strerror
     return str(error) or type(error).__name__
+
+
+def compact_beside(path: str) -> None:
+    """The body of a worker's compaction process (see autocompact.py)."""
+    from .autocompact import serve
+
+    serve(lambda stop: DirBackend(path).compact(stop=stop))

@@ -25,18 +25,22 @@ from .protocol import Busy, Gone, Held, NotRegular, SpoolDir, file_name, id_of, 
 from .transitions import Context, check, locate
 
 FOLD_BATCH = 2000  # files a fold holds and commits at once, where the descriptor limit allows
+BESIDE_BATCH = 200  # ... and a fold that may be told to stop (see compact)
 
 
-def fold(spool: SpoolDir, index: Index, folder: str, names: list[str], settings: dict) -> tuple[int, int]:
+def fold(spool: SpoolDir, index: Index, folder: str, names: list[str], settings: dict,
+         stop: Callable[[], bool] | None = None, batch: int = FOLD_BATCH) -> tuple[int, int]:
     """Move the given files of ``folder`` into the index, a batch at a time
     (see _held_at_once): lock each file, commit its row, then remove it
     (still locked). Files that are busy, gone or unreadable are left where
-    they are. Returns (jobs folded, files left)."""
+    they are. ``stop``, asked after each batch, ends the fold early when it
+    says so (the files not reached stay for the next one). Returns (jobs
+    folded, files left)."""
     ctx = Context(spool, settings)
-    batch = _held_at_once(FOLD_BATCH)
+    batch = _held_at_once(batch)
     folded = left = 0
     pos = 0
-    while pos < len(names):
+    while pos < len(names) and not (folded and stop is not None and stop()):
         held_batch = []
         rows = []
         try:
@@ -62,6 +66,10 @@ def fold(spool: SpoolDir, index: Index, folder: str, names: list[str], settings:
                 rows.append(row)
             if not rows:
                 continue
+            # A worker's move into the folder may not be synced yet (its
+            # group commit syncs the folders a moment later): the row must
+            # not outlive a move that a power cut could undo.
+            spool.sync_dir(folder)
             index.add(rows)
             for held in held_batch:
                 held.unlink()
@@ -126,12 +134,15 @@ def _held_at_once(batch: int) -> int:
     return max(1, min(batch, procs.open_file_limit() // 4))
 
 
-def compact(spool: SpoolDir, index: Index, settings: dict, keep: float | None = None) -> dict[str, int]:
+def compact(spool: SpoolDir, index: Index, settings: dict, keep: float | None = None,
+            stop: Callable[[], bool] | None = None) -> dict[str, int]:
     """Fold done/ into the index, drop history older than ``keep`` seconds,
-    and remove tmp/ files older than 36 hours."""
+    and remove tmp/ files older than 36 hours. ``stop``: see fold (a
+    compaction beside a worker folds in smaller batches, so that a stop
+    waits for less)."""
     started = time.monotonic()
     names = sorted(spool.names("done"))
-    folded, left = fold(spool, index, "done", names, settings)
+    folded, left = fold(spool, index, "done", names, settings, stop, FOLD_BATCH if stop is None else BESIDE_BATCH)
     dropped = index.drop_older(time.time() - keep) if keep is not None else 0
     tmp_removed = spool.remove_tmp() + index.remove_stale_tmp()
     return {"folded": folded, "left": left, "dropped": dropped, "tmp_removed": tmp_removed,

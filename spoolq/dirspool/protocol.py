@@ -21,6 +21,7 @@ import gc
 import itertools
 import os
 import stat
+import sys
 import threading
 import time
 import zlib
@@ -152,6 +153,8 @@ def _names(dir_fd: int, name: str, st: os.stat_result) -> bool:
 
 _renameat2 = None
 _renameat2_state = 0  # 0 unknown, 1 available, -1 unsupported here
+# os.fsencode's own encoding, without its checks (two renames a job)
+_FS_ENCODING, _FS_ERRORS = sys.getfilesystemencoding(), sys.getfilesystemencodeerrors()
 
 
 def _load_renameat2():
@@ -171,7 +174,7 @@ def rename_noreplace(src_dir: int, src: str, dst_dir: int, dst: str) -> None:
         _load_renameat2()
     if _renameat2_state == 1:
         func, get_errno = _renameat2
-        if func(src_dir, os.fsencode(src), dst_dir, os.fsencode(dst), 1) == 0:
+        if func(src_dir, src.encode(_FS_ENCODING, _FS_ERRORS), dst_dir, dst.encode(_FS_ENCODING, _FS_ERRORS), 1) == 0:
             return
         err = get_errno()
         if err == errno.EEXIST:
@@ -546,6 +549,20 @@ class SpoolDir:
                 if entry.name[0] != ".":
                     n += 1
         return n
+
+    def count_apart(self, folder: str) -> int:
+        """``count(folder)`` on a descriptor of its own, held only while it
+        counts: for a thread beside the worker (a folder's descriptor shares
+        its read position with every duplicate). 0 when it cannot be had now."""
+        try:
+            fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=self.fd(folder))
+        except (OSError, SpoolError):
+            return 0
+        try:
+            with os.scandir(fd) as it:
+                return sum(1 for entry in it if entry.name[0] != ".")
+        finally:
+            os.close(fd)
 
     def entries(self, folder: str) -> Iterator[tuple[str, os.stat_result]]:
         """(name, lstat) of each entry of a folder, dot-files left out."""

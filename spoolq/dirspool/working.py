@@ -2,13 +2,15 @@
 ``DirBackend``): what the worker loop asks of a spool directory: register,
 recover, claim the next job (the passes, read-ahead and -j 1 look-ahead
 are passes.py's), finish, commit (commit.py's group commit), housekeeping
-(automatic compaction).
+(automatic compaction, in a process beside the worker: autocompact.py).
 
 The moves are transitions.py's, the files and syncs protocol.py's.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -19,6 +21,7 @@ from ..waker import Waker
 
 if TYPE_CHECKING:
     from . import transitions
+    from .autocompact import Beside
     from .commit import GroupCommit
     from .passes import Pass
     from .registry import Registration
@@ -28,8 +31,15 @@ if TYPE_CHECKING:
 # run no worker (an enqueue, a status), which load this module too.
 
 SCAN_LIMIT = 200_000  # due entries kept per pass (see Pass; Tuning.scan_limit)
-COMPACT_CHECK_JOBS = 1000  # count done/ for auto-compaction after this many jobs ...
+COMPACT_CHECK_JOBS = 1000  # count done/ for auto-compaction in line after this many jobs ...
 COMPACT_CHECK_SECONDS = 60.0  # ... or this long
+
+# The program of a worker's compaction process: isolated (-I), so that
+# neither the current folder nor PYTHON* variables choose the code it runs,
+# with this very spoolq first on its path.
+_COMPACT_BESIDE = ("import sys; sys.path.insert(0, sys.argv[1]); "
+                   "from spoolq.dirspool.backend import compact_beside; compact_beside(sys.argv[2])")
+_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _quiet(text: str, level: int = 0, severity: int | None = None) -> None:
@@ -51,6 +61,8 @@ class WorkerSide:
         self._finished = 0
         self._next_compact_finished = 0
         self._next_compact_time = 0.0
+        self._beside: Beside | None = None
+        self._compacts_in_line = False
 
     @property
     def durable(self) -> bool:
@@ -59,7 +71,11 @@ class WorkerSide:
     def stop_work(self) -> None:
         """The worker is done: let its prepared job go, leave what it passed
         over to the next worker, remove its spare files. The folders stay
-        open for the spool's other users (a program's own enqueue)."""
+        open for the spool's other users (a program's own enqueue). Its
+        compaction process stops after the batch in hand."""
+        beside, self._beside = self._beside, None
+        if beside is not None:
+            beside.close()
         if self._pass is not None:
             self._pass.end()
             self._pass = None
@@ -165,11 +181,18 @@ class WorkerSide:
 
     def housekeeping(self, settle: Callable[[], None]) -> None:
         """Fold done/ into the index when it holds more than compact_after
-        files. done/ is counted at most every COMPACT_CHECK_JOBS finishes
-        or COMPACT_CHECK_SECONDS, so the check costs nothing per job."""
+        files, in a process beside the worker (see autocompact.py: its
+        thread counts done/ and starts the process by itself; this check,
+        between passes, starts it at once). Where no process can be
+        started, the worker folds in line (after ``settle``). done/ is
+        counted here at most every COMPACT_CHECK_JOBS finishes or
+        COMPACT_CHECK_SECONDS, so the check costs nothing per job."""
         limit = int(self.settings["compact_after"])
         if limit <= 0:
             return
+        if self._beside is None and not self._compacts_in_line:
+            self._beside = self._start_beside()
+            self._compacts_in_line = self._beside is None
         now = time.monotonic()
         if self._finished < self._next_compact_finished and now < self._next_compact_time:
             return
@@ -178,12 +201,31 @@ class WorkerSide:
         try:
             if self.dir.count("done") <= limit:
                 return
+            if self._beside is not None:
+                self._beside.now()
+                return
             settle()
             result = self.compact()
         except Exception as e:  # the index is history: never stop the worker for it
             self.log(f"compaction failed: {e}", 0, None)
             return
         self.log(f"compacted {result['folded']} jobs into index.db in {result['seconds']}s", 1, None)
+
+    def _start_beside(self) -> Beside | None:
+        """The compaction beside this worker, started; None when no process
+        can be started. The process ends when this one closes its end of
+        the pipe (stop_work), or exits."""
+        from .autocompact import Beside
+
+        def report(result: dict[str, Any]) -> None:
+            if "error" in result:
+                self.log(f"compaction failed: {result['error']}", 0, None)
+            elif result.get("folded"):
+                self.log(f"compacted {result['folded']} jobs into index.db in {result['seconds']}s", 1, None)
+
+        beside = Beside([sys.executable, "-I", "-c", _COMPACT_BESIDE, _PACKAGE_PARENT, self.path],
+                        lambda: self.dir.count_apart("done"), lambda: int(self.settings["compact_after"]), report)
+        return beside if beside.start() else None
 
     def count_workers(self) -> int:
         return self.dir.count("workers")
