@@ -456,7 +456,10 @@ def top_lines(view: dict, width: int = 10_000, height: int | None = None) -> lis
     workers = _top_workers(view, paused is not None)
     running = [f"running   {len(view['running'])}" + ("+" if c["cur"] > len(view["running"]) else "")]
     for r in view["running"]:
-        line = f"  {_age(r['age']):>7}  {r['id']}  {r.get('worker') or ('abandoned' if r.get('abandoned') else '-')}  {r['what']}"
+        what = r["what"]
+        if r.get("line") and len(what) > 32:  # room for the last line on a narrow screen
+            what = what[:29] + "..."
+        line = f"  {_age(r['age']):>7}  {r['id']}  {r.get('worker') or ('abandoned' if r.get('abandoned') else '-')}  {what}"
         running.append(line + (f"  | {r['line']}" if r.get("line") else ""))
     failures = [f"failures  {len(view['failures'])} latest" if view["failures"] else "failures  none"]
     for f in view["failures"]:
