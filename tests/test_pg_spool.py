@@ -283,9 +283,12 @@ def test_retry_gives_a_dead_job_a_fresh_round_and_keeps_its_history(spool, worke
     assert rec["state"] == "new" and rec["attempts"] == 0 and len(rec["history"]) == 1 and "retried_at" in rec
     assert "error" not in rec and "exit_code" not in rec
     spool.purge_dead(0)
-    with pytest.raises(NotPossible, match="purged"):
-        spool.retry("d2")
     assert spool.counts()["dead_purged"] == 2 and spool.counts()["dead"] == 0
+    assert [(j["id"], j["purged"]) for j in spool.list("dead")] == [("d2", True), ("d3", True)]
+    spool.retry("d2")  # purged, and still a dead job: retried from its record
+    rec = spool.get("d2")
+    assert rec["state"] == "new" and "purged" not in rec and len(rec["history"]) == 1
+    assert spool.counts()["dead_purged"] == 1
     spool.enqueue([job("d4")])
     claim = spool.claim_next()
     while claim.job_id != "d4":
@@ -369,3 +372,69 @@ def test_metrics_count_runs_wherever_their_jobs_are(spool, worker):
     assert m["states"]["failed"] == 1 and m["states"]["new"] == 1
     assert m["runs"] == {"succeeded": 0, "failed": 1} and m["run_seconds"]["run_seconds_count"] == 1
     assert len(m["workers"]) == 1 and m["oldest_due_age"] >= 0
+
+
+# -- ids by their start, handler kinds ------------------------------------------------
+
+
+def test_ids_that_begin_with_a_prefix_are_found_in_the_states_asked(spool, worker):
+    spool.enqueue([job("alpha-1"), job("alpha-2"), job("beta-1")])
+    run_once(spool, worker, failing(permanent=True))  # alpha-1: dead
+    assert spool.ids_with_prefix("alpha") == ["alpha-1", "alpha-2"]
+    assert spool.ids_with_prefix("alpha", ("dead",)) == ["alpha-1"]
+    assert spool.ids_with_prefix("alpha", ("new", "failed")) == ["alpha-2"]
+    assert spool.ids_with_prefix("b") == ["beta-1"]
+    assert spool.ids_with_prefix("gamma") == []
+    assert spool.ids_with_prefix("alpha", limit=1) == ["alpha-1"]
+
+
+def test_a_worker_claims_only_the_handler_kinds_it_runs_and_the_rest_wait(pg_spool_url):
+    spool = PgBackend(pg_spool_url)
+    try:
+        spool.enqueue([job("mail", kind="send_email"), job("cmd", command="true"), job("ping", kind="ping")])
+        reg = spool.register(kinds=["ping"])
+        try:
+            claimed = []
+            while (claim := spool.claim_next()) is not None:
+                claimed.append(claim.job_id)
+                spool.finish(claim, Outcome(start=time.time(), end=time.time()), reg.worker_id)
+            spool.commit()
+            assert claimed == ["cmd", "ping"]
+            assert spool.next_due() is None  # nothing this worker can run waits: it sleeps
+            waiting = spool.get("mail")
+            assert waiting["state"] == "new" and waiting["attempts"] == 0
+            # A live worker that runs ping only: the mail job waits for one with a handler.
+            assert waiting["waits_for_handler"] is True
+            assert spool.counts()["unhandled"] == {"send_email": 1}
+            assert spool.live_workers()[0]["kinds"] == ["ping"]
+        finally:
+            reg.close()
+        # Once that worker has gone, what it said still holds.
+        assert spool.counts()["unhandled"] == {"send_email": 1}
+        every = spool.register()  # a worker of every kind (kinds None)
+        try:
+            assert spool.counts()["unhandled"] == {}
+            assert spool.claim_next().job_id == "mail"
+        finally:
+            every.close()
+    finally:
+        spool.close()
+
+
+def test_throughput_is_over_a_window_of_at_least_a_minute(spool, worker):
+    spool.enqueue([job("a"), job("b")])
+    run_once(spool, worker)
+    run_once(spool, worker)
+    total = spool.stats()["total"]
+    assert total["jobs"] == 2 and total["throughput_per_s"] <= 2 / 60 + 0.001
+
+
+def test_the_backend_has_every_verb_of_the_storage_port(spool):
+    from spoolq.backend import Backend
+
+    verbs = {name for name, value in vars(Backend).items() if callable(value) and not name.startswith("_")}
+    assert verbs and not {v for v in verbs if not callable(getattr(spool, v, None))}
+    assert spool.exists() and spool.count_workers() == 0
+    spool.enqueue([job("later")])
+    look = spool.next_look()
+    assert look.due is not None and abs(look.due - time.time()) < 60 and not look.busy

@@ -22,6 +22,7 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
+from ..backend import Look, PlainCommit
 from ..errors import ConfigError, SpoolError
 from . import moves, reads, recovery, schema
 from .claims import Claims
@@ -67,7 +68,7 @@ class PgBackend:
             raise ValueError(f"{url!r} is not a postgresql:// URL")
         self.url = url
         self.location = without_password(url)  # the only form of it ever shown
-        self.log: Callable[[str], None] = lambda text: None
+        self.log: Callable[..., None] = lambda text, level=0, severity=None: None
         self._conns: dict[str, Any] = {}
         self._conn_lock = threading.Lock()
         self.settings = PgSettings(self.location, lambda: self._conn("auto"))
@@ -198,13 +199,20 @@ class PgBackend:
         self.open()
         return reads.get(self._conn("auto"), job_id)
 
+    @_db
+    def ids_with_prefix(self, prefix: str, states: tuple[str, ...] | None = None, limit: int = 11) -> list[str]:
+        """Up to ``limit`` ids (of jobs in ``states``, the shown names;
+        None: any) that begin with ``prefix``, in order."""
+        self.open()
+        return reads.ids_with_prefix(self._conn("auto"), prefix, states, limit)
+
     def list(self, state: str | None = None, limit: int | None = None, since: float | None = None) -> Iterator[dict]:
         with _translated(self.location):
             self.open()
             yield from reads.listing(self._conn("auto"), state, limit, since)
 
     @_db
-    def counts(self) -> dict[str, Any]:
+    def counts(self, on_problem: Callable[[str], None] | None = None) -> dict[str, Any]:
         self.open()
         return reads.counts(self._conn("auto"))
 
@@ -219,7 +227,7 @@ class PgBackend:
         return reads.stats(self._conn("auto"), since)
 
     @_db
-    def metrics(self) -> dict[str, Any]:
+    def metrics(self, on_problem: Callable[[str], None] | None = None) -> dict[str, Any]:
         self.open()
         return reads.metrics(self._conn("auto"))
 
@@ -260,11 +268,12 @@ class PgBackend:
     # -- the worker --------------------------------------------------------------
 
     @_db
-    def register(self, worker_id: str | None = None) -> PgWorkerReg:
+    def register(self, kinds: Any = None, worker_id: str | None = None) -> PgWorkerReg:
         """This worker's registration (its liveness session); the claims
-        made from now on are under it."""
+        made from now on are under it, and take handler jobs only of
+        ``kinds`` (None: every kind)."""
         self.open()
-        reg = PgWorkerReg(lambda: self._connect(), worker_id, log=self.log)
+        reg = PgWorkerReg(lambda: self._connect(), worker_id, log=self.log, kinds=kinds)
         reg.open()
         self._reg = reg
         return reg
@@ -281,9 +290,10 @@ class PgBackend:
         self._last_recovery = time.monotonic()
         return recovery.recover(self._conn("auto"), self.settings)
 
-    def housekeeping(self) -> Report | None:
+    def housekeeping(self, settle: Callable[[], None] | None = None) -> Report | None:
         """Between passes: a recovery every RECOVER_EVERY seconds, so a dead
-        worker's jobs do not wait for the next worker to start."""
+        worker's jobs do not wait for the next worker to start (``settle``:
+        the worker's pending finishes, which recovery does not need)."""
         if time.monotonic() - self._last_recovery < RECOVER_EVERY:
             return None
         try:
@@ -296,6 +306,37 @@ class PgBackend:
         """The first due job (due by the database's clock), now this worker's."""
         with _translated(self.location):
             return self.claims.claim_next()
+
+    def next_look(self) -> Look:
+        """When to look again after ``claim_next`` gave nothing: when the
+        next job this worker can run is due (epoch seconds, by this host's
+        clock from the database's distance to it)."""
+        due = self.next_due()
+        return Look(due=time.time() + due if due is not None else None)
+
+    def look_ahead(self) -> None:
+        """Nothing to prepare: a claim is one statement."""
+
+    def drop_ahead(self) -> None:
+        """Nothing prepared to let go."""
+
+    def where(self, claim: Claim) -> str:
+        """The state the claim's job is in now, as users see it."""
+        job = self.get(claim.job_id)
+        return job["state"] if job is not None else "gone"
+
+    def committer(self, hooks: Any, seconds: float) -> PlainCommit:
+        """The worker's group commit: ``commit`` writes every pending finish in one statement."""
+        return PlainCommit(self, hooks, seconds)
+
+    @_db
+    def exists(self) -> bool:
+        """Whether the database holds a spoolq schema."""
+        return schema.installed_version(self._conn("auto")) is not None
+
+    @_db
+    def count_workers(self) -> int:
+        return len(reads.live_workers(self._conn("auto")))
 
     def next_due(self) -> float | None:
         with _translated(self.location):

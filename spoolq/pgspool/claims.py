@@ -56,7 +56,8 @@ class Claims:
         while True:
             token = int.from_bytes(os.urandom(8), "big") >> 1
             try:
-                row = self._conn("claim").execute(queries.CLAIM, {"worker": reg.id, "token": token}).fetchone()
+                row = self._conn("claim").execute(queries.CLAIM, {"worker": reg.id, "token": token,
+                                                                   "kinds": reg.kinds}).fetchone()
             except psycopg.OperationalError as e:
                 raise Unavailable(first_line(e)) from None
             if row is None:
@@ -102,7 +103,9 @@ class Claims:
         database's clock; None when no job waits."""
         psycopg = psycopg_module()
         try:
-            return self._conn("claim").execute(queries.NEXT_DUE).fetchone()[0]
+            reg = self._reg()
+            kinds = reg.kinds if reg is not None else None
+            return self._conn("claim").execute(queries.NEXT_DUE, {"kinds": kinds}).fetchone()[0]
         except psycopg.OperationalError as e:
             raise Unavailable(first_line(e)) from None
 

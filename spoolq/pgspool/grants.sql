@@ -9,7 +9,7 @@ BEGIN
     -- time, nothing else (its state is new, and who enqueued it is theirs).
     IF EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'spoolq_producer') THEN
         GRANT USAGE ON SCHEMA spoolq TO spoolq_producer;
-        GRANT SELECT ON spoolq.jobs, spoolq.workers, spoolq.settings, spoolq.counters,
+        GRANT SELECT ON spoolq.jobs, spoolq.workers, spoolq.settings, spoolq.counters, spoolq.notes,
                         spoolq.schema_version TO spoolq_producer;
         GRANT INSERT (id, record, at) ON spoolq.jobs TO spoolq_producer;
     END IF;
@@ -17,10 +17,11 @@ BEGIN
     -- their registrations.
     IF EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'spoolq_worker') THEN
         GRANT USAGE ON SCHEMA spoolq TO spoolq_worker;
-        GRANT SELECT ON spoolq.jobs, spoolq.workers, spoolq.settings, spoolq.counters,
+        GRANT SELECT ON spoolq.jobs, spoolq.workers, spoolq.settings, spoolq.counters, spoolq.notes,
                         spoolq.schema_version TO spoolq_worker;
         GRANT INSERT (id, record, at), UPDATE ON spoolq.jobs TO spoolq_worker;
-        GRANT INSERT (worker, host, pid, uid, boot_id, proc_start), UPDATE (runs, lost_at), DELETE
+        GRANT INSERT (worker, host, pid, uid, boot_id, proc_start, kinds), UPDATE (runs, lost_at), DELETE
             ON spoolq.workers TO spoolq_worker;
+        GRANT INSERT, UPDATE ON spoolq.notes TO spoolq_worker;
     END IF;
 END $$;

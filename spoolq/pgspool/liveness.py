@@ -27,7 +27,7 @@ import re
 import select
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from .. import procs
 from ..record import rfc3339
@@ -41,8 +41,11 @@ RECONNECT_MAX = 5.0  # ... up to this
 # than a worker needs to see its session ended and kill its runs.
 RECOVERY_GRACE = 3.0
 
-REGISTER = ("INSERT INTO spoolq.workers (worker, host, pid, uid, boot_id, proc_start) "
-            "VALUES (%s, %s, %s, %s, %s, %s) RETURNING id")
+REGISTER = ("INSERT INTO spoolq.workers (worker, host, pid, uid, boot_id, proc_start, kinds) "
+            "VALUES (%s, %s, %s, %s, %s, %s, %s) RETURNING id")
+# The last worker to start says which kinds it runs (see status).
+NOTE_KINDS = ("INSERT INTO spoolq.notes (name, value) VALUES ('kinds', %s) "
+              "ON CONFLICT (name) DO UPDATE SET value = EXCLUDED.value, at = now()")
 
 
 def make_worker_id() -> str:
@@ -59,8 +62,9 @@ class PgWorkerReg:
     its lock, and the runs under way (for fencing and for recovery)."""
 
     def __init__(self, connect: Callable[[], Any], worker_id: str | None = None,
-                 log: Callable[[str], None] | None = None):
+                 log: Callable[[str], None] | None = None, kinds: Iterable[str] | None = None):
         self.worker_id = worker_id or make_worker_id()
+        self.kinds = sorted(kinds) if kinds is not None else None  # handler kinds it runs (None: every kind)
         self.id: int | None = None  # the workers row held now
         self.live = threading.Event()  # set while the session holds the lock
         self.fenced: set[str] = set()  # jobs whose runs a fence killed (their finish records an interruption)
@@ -156,8 +160,11 @@ class PgWorkerReg:
         conn = self._connect()
         try:
             with conn.transaction():
+                kinds = json.dumps(self.kinds) if self.kinds is not None else None
                 row = conn.execute(REGISTER, (self.worker_id, os.uname().nodename, os.getpid(), os.geteuid(),
-                                              procs.boot_id(), self._proc_start)).fetchone()
+                                              procs.boot_id(), self._proc_start, kinds)).fetchone()
+                if kinds is not None:
+                    conn.execute(NOTE_KINDS, (kinds,))
                 conn.execute("SELECT pg_advisory_lock(%s, %s)", (LOCK_CLASS, row[0]))
         except BaseException:
             conn.close()

@@ -122,8 +122,6 @@ def retry(conn, job_id: str, settings: dict) -> None:
         state, text, valid, purged = row
         if state != "dead":
             raise NotPossible(f"job {job_id} is {SHOWN[state]}, not dead")
-        if purged:
-            raise NotPossible(f"job {job_id} was purged into the history; it cannot be retried")
         try:
             job = _parsed(job_id, text, valid)
             problem = config.refusal(settings, job)
@@ -131,13 +129,14 @@ def retry(conn, job_id: str, settings: dict) -> None:
                 raise InvalidJob(problem)
         except InvalidJob as e:
             raise NotPossible(f"cannot retry {job_id}: {e}; enqueue a fixed job instead") from None
-        conn.execute("UPDATE spoolq.jobs SET state = 'new', record = %s, at = now(), reason = NULL, target = NULL "
-                     "WHERE id = %s", (shaping.retried(job), job_id))
+        conn.execute("UPDATE spoolq.jobs SET state = 'new', record = %s, at = now(), reason = NULL, target = NULL, "
+                     "purged = false WHERE id = %s", (shaping.retried(job), job_id))
         conn.execute(queries.NOTIFY)
 
 
 def retry_all(conn, settings: dict, on_problem: Callable[[str], None] | None = None) -> list[str]:
-    """Every dead job (not purged) back to new; returns the ids moved. One
+    """Every dead job not purged into the history back to new (as the
+    directory spool's ``retry --all`` takes dead/); returns the ids moved. One
     that cannot go stays dead, and ``on_problem(message)`` says why."""
     moved = []
     ids = [r[0] for r in conn.execute(
@@ -156,7 +155,8 @@ def retry_all(conn, settings: dict, on_problem: Callable[[str], None] | None = N
 
 def purge_dead(conn, older_than: float) -> dict[str, int]:
     """Dead jobs that died more than ``older_than`` seconds ago become
-    history: kept for ``show`` and ``stats``, no longer listed or retried."""
+    history: still dead (``show``, ``list``, ``stats`` and ``retry`` see
+    them, marked purged), and deleted by retention as done jobs are."""
     n = conn.execute("UPDATE spoolq.jobs SET purged = true WHERE state = 'dead' AND NOT purged "
                      "AND at < now() - make_interval(secs => %s::float8)", (older_than,)).rowcount
     return {"purged": n, "left": 0}

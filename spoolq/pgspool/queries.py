@@ -9,22 +9,28 @@ from __future__ import annotations
 
 from .waker import CHANNEL
 
+# The jobs a worker with the handler kinds ``%(kinds)s`` (NULL: every kind) may run.
+KINDS = "AND (kind IS NULL OR %(kinds)s::text[] IS NULL OR kind = ANY(%(kinds)s::text[]))"
+
 # The first due job, in order (due time, then id), taken by this worker
 # under a fresh token, unless recovery has found this worker's session
-# gone. Jobs other claims hold are skipped, not waited for.
+# gone. Jobs other claims hold are skipped, not waited for; so are handler
+# jobs of kinds the worker has no handler for (``kinds``: NULL runs every
+# kind), which stay waiting for a worker that has one.
 CLAIM = """
 UPDATE spoolq.jobs j SET state = 'running', worker = %(worker)s, token = %(token)s, claimed_at = now()
 FROM (SELECT id, state FROM spoolq.jobs
-      WHERE state IN ('new', 'failed') AND at <= now()
+      WHERE state IN ('new', 'failed') AND at <= now() {KINDS}
       ORDER BY at, id LIMIT 1 FOR UPDATE SKIP LOCKED) c
 WHERE j.id = c.id
   AND NOT EXISTS (SELECT 1 FROM spoolq.workers w WHERE w.id = %(worker)s AND w.lost_at IS NOT NULL)
 RETURNING j.id, c.state, j.record, extract(epoch FROM j.at)::float8
-"""
+""".replace("{KINDS}", KINDS)
 
-# Seconds from the database's now until the next waiting job is due
-# (negative: due already; NULL: none waits).
-NEXT_DUE = "SELECT extract(epoch FROM min(at) - now())::float8 FROM spoolq.jobs WHERE state IN ('new', 'failed')"
+# Seconds from the database's now until the next waiting job this worker
+# can run is due (negative: due already; NULL: none waits).
+NEXT_DUE = ("SELECT extract(epoch FROM min(at) - now())::float8 FROM spoolq.jobs WHERE state IN ('new', 'failed') "
+            + KINDS)
 
 # Runs' outcomes, many at once (a JSON array of [id, token, state, record,
 # target, delay]: one parameter, far cheaper to send than six arrays): the

@@ -23,14 +23,23 @@ STORED = {shown: stored for stored, shown in SHOWN.items()}
 RUN_SECONDS_BUCKETS = (0.1, 0.5, 1, 5, 15, 60, 300, 900, 3600, 14400, 86400)
 
 PAGE = 500  # rows a listing fetches at a time
+MIN_WINDOW = 60.0  # seconds: the shortest window a throughput is taken over (as index.MIN_WINDOW)
 
 # Whether the worker of a workers row ``w`` holds its lock: its session lives.
 LIVE = f"""EXISTS (SELECT 1 FROM pg_locks l
     WHERE l.locktype = 'advisory' AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
       AND l.classid = {LOCK_CLASS}::oid AND l.objid = w.id::oid AND l.objsubid = 2 AND l.granted)"""
 
+# Kinds no worker has a handler for: not among those the last worker to
+# start ran (spoolq.notes), nor among a live worker's. NULL: the job is no
+# handler job, or no worker said which kinds it runs.
+UNHANDLED = f"""(j.kind IS NOT NULL AND j.state IN ('new', 'failed')
+    AND (SELECT NOT (n.value ? j.kind) FROM spoolq.notes n WHERE n.name = 'kinds' AND jsonb_typeof(n.value) = 'array')
+    AND NOT EXISTS (SELECT 1 FROM spoolq.workers w WHERE {LIVE} AND (w.kinds IS NULL OR w.kinds ? j.kind)))"""
+
 ROW = f"""SELECT j.id, j.state, j.record, j.at, j.valid, j.reason, j.purged, w.worker,
-       CASE WHEN j.state = 'running' THEN w.id IS NOT NULL AND {LIVE} END AS live
+       CASE WHEN j.state = 'running' THEN w.id IS NOT NULL AND {LIVE} END AS live,
+       {UNHANDLED} AS unhandled
 FROM spoolq.jobs j LEFT JOIN spoolq.workers w ON w.id = j.worker AND j.state = 'running'"""
 
 
@@ -38,7 +47,7 @@ def shaped(row: tuple) -> dict[str, Any]:
     """A row as ``show`` prints a job: its record, with ``state`` set from
     where it is, and what else the row says (the due time of a waiting job,
     the worker of a running one, the reason a dead one can never run)."""
-    job_id, state, text, at, valid, reason, purged, worker, live = row
+    job_id, state, text, at, valid, reason, purged, worker, live, unhandled = row
     job: dict[str, Any] | None = None
     problem = reason
     if valid:
@@ -64,6 +73,8 @@ def shaped(row: tuple) -> dict[str, Any]:
             job["abandoned"] = True  # its worker died: the next recovery takes it
     if purged:
         job["purged"] = True
+    if unhandled:
+        job["waits_for_handler"] = True  # no worker of this spool has a handler for its kind
     job["state"] = SHOWN[state]
     if state in ("new", "failed"):
         job["due_at"] = rfc3339(at.timestamp())
@@ -75,10 +86,21 @@ def get(conn, job_id: str) -> dict[str, Any] | None:
     return shaped(row) if row is not None else None
 
 
+def ids_with_prefix(conn, prefix: str, states: tuple[str, ...] | None, limit: int) -> list[str]:
+    """Up to ``limit`` ids that begin with ``prefix`` (in ``states``, the
+    shown names; None: any), in order: a range of the primary key."""
+    stored = [STORED[s] for s in states] if states is not None else list(SHOWN)
+    after = prefix[:-1] + chr(ord(prefix[-1]) + 1) if prefix else None
+    return [row[0] for row in conn.execute(
+        "SELECT id FROM spoolq.jobs WHERE id >= %s AND (%s::text IS NULL OR id < %s) AND state = ANY(%s) "
+        "ORDER BY id LIMIT %s", (prefix, after, after, stored, limit))]
+
+
 def listing(conn, state: str | None = None, limit: int | None = None,
             since: float | None = None) -> Iterator[dict[str, Any]]:
     """Records oldest first, by (due or finish time, id); ``state`` is one
-    of the shown names. Read a page at a time: a long listing holds no
+    of the shown names (dead includes those purged into the history,
+    marked ``purged``). Read a page at a time: a long listing holds no
     transaction open."""
     # The states written out (they are STORED's, never the caller's text):
     # the planner then sees which partial index covers them.
@@ -92,7 +114,7 @@ def listing(conn, state: str | None = None, limit: int | None = None,
         if after is not None:
             keyset = "AND (j.at, j.id) > (%(at)s, %(id)s)"
             params.update(at=after[0], id=after[1])
-        rows = conn.execute(ROW + f""" WHERE j.state IN ({states}) AND NOT j.purged
+        rows = conn.execute(ROW + f""" WHERE j.state IN ({states})
               AND j.at >= to_timestamp(%(since)s) {keyset} ORDER BY j.at, j.id LIMIT %(page)s""", params).fetchall()
         for row in rows:
             yield shaped(row)
@@ -106,7 +128,7 @@ def listing(conn, state: str | None = None, limit: int | None = None,
 def live_workers(conn) -> list[dict[str, Any]]:
     """The live workers: who, where, since when, and the jobs they run
     (with the attempt, start and process group of each run)."""
-    workers = conn.execute(f"""SELECT w.id, w.worker, w.host, w.pid, w.started_at, w.runs, w.db_user
+    workers = conn.execute(f"""SELECT w.id, w.worker, w.host, w.pid, w.started_at, w.runs, w.db_user, w.kinds
         FROM spoolq.workers w WHERE {LIVE} ORDER BY w.started_at, w.id""").fetchall()
     running: dict[int, list] = {}
     if workers:
@@ -115,7 +137,7 @@ def live_workers(conn) -> list[dict[str, Any]]:
                 "ORDER BY claimed_at, id", ([w[0] for w in workers],)):
             running.setdefault(worker, []).append((job_id, claimed_at, text))
     out = []
-    for row_id, worker, host, pid, started_at, runs, db_user in workers:
+    for row_id, worker, host, pid, started_at, runs, db_user, kinds in workers:
         jobs = {}
         for job_id, claimed_at, text in running.get(row_id, []):
             entry = dict(runs.get(job_id) or {}) if isinstance(runs, dict) else {}
@@ -123,7 +145,7 @@ def live_workers(conn) -> list[dict[str, Any]]:
             entry.setdefault("started_at", rfc3339(claimed_at.timestamp()) if claimed_at else None)
             jobs[job_id] = entry
         out.append({"worker": worker, "host": host, "pid": pid, "started_at": rfc3339(started_at.timestamp()),
-                    "jobs": jobs, "db_user": db_user})
+                    "jobs": jobs, "db_user": db_user, "kinds": kinds})
     return out
 
 
@@ -142,12 +164,15 @@ def counts(conn) -> dict[str, Any]:
     found = {(state, purged): n for state, purged, n in conn.execute(
         "SELECT state, purged, count(*) FROM spoolq.jobs GROUP BY state, purged")}
     out: dict[str, Any] = {SHOWN[s]: found.get((s, False), 0) for s in SHOWN}
-    out["dead_purged"] = found.get(("dead", True), 0)
     out["done_files"] = out["done"]  # every finished job is a row: nothing waits to be compacted
     out["compacted"] = 0
+    out["dead_purged"] = found.get(("dead", True), 0)
     out["abandoned"] = conn.execute(f"""SELECT count(*) FROM spoolq.jobs j LEFT JOIN spoolq.workers w ON w.id = j.worker
         WHERE j.state = 'running' AND NOT (w.id IS NOT NULL AND {LIVE})""").fetchone()[0]
-    out["workers"] = [{k: w.get(k) for k in ("worker", "host", "pid", "started_at", "jobs")} for w in live_workers(conn)]
+    out["workers"] = [{k: w.get(k) for k in ("worker", "host", "pid", "started_at", "jobs", "kinds")}
+                      for w in live_workers(conn)]
+    out["unhandled"] = dict(conn.execute(f"""SELECT j.kind, count(*) FROM spoolq.jobs j
+        WHERE j.state IN ('new', 'failed') AND j.at <= now() AND {UNHANDLED} GROUP BY j.kind ORDER BY j.kind"""))
     return out
 
 
@@ -198,16 +223,21 @@ def stats(conn, since: float | None) -> dict[str, Any]:
     groups, total = [], None
     for row in conn.execute(STATS_SQL, params):
         entry = dict(zip(STAT_FIELDS, row[2:]))
-        first, last = entry.pop("first_finish"), entry.pop("last_finish")
-        window = (time.time() - since) if since is not None else ((last - first) if first is not None and last is not None else 0)
-        entry["throughput_per_s"] = round(entry["jobs"] / window, 3) if window and window > 0 else None
         if row[1]:
             total = entry
         elif entry["jobs"] or entry["runs"]:
             entry["group"] = row[0]
             groups.append(entry)
     if total is None:
-        total = {**dict.fromkeys(STAT_FIELDS[:6], 0), **dict.fromkeys(STAT_FIELDS[8:]), "throughput_per_s": None}
+        total = {**dict.fromkeys(STAT_FIELDS[:6], 0), **dict.fromkeys(STAT_FIELDS[6:])}
+    # One window for every group, as the directory spool takes it: the
+    # --since period, else from the first finish counted to now; never
+    # under a minute, so that a burst of two jobs is not "2000 jobs/s".
+    start = since if since is not None else total["first_finish"]
+    window = max(MIN_WINDOW, time.time() - start) if start is not None else None
+    for entry in groups + [total]:
+        entry.pop("first_finish"), entry.pop("last_finish")
+        entry["throughput_per_s"] = round(entry["jobs"] / window, 3) if window and entry["jobs"] else None
     groups.sort(key=lambda g: (-g["jobs"], g["group"]))
     return {"total": total, "groups": groups}
 

@@ -9,6 +9,17 @@ CREATE TABLE spoolq.schema_version (
     applied_at  timestamptz NOT NULL DEFAULT now()
 );
 
+-- The kind of a handler job's record (NULL: a command or argv job, or a
+-- record that is no job), so that a claim passes over the kinds its
+-- worker has no handler for.
+CREATE FUNCTION spoolq.kind_of(record text) RETURNS text
+LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE AS $$
+BEGIN
+    RETURN CASE WHEN json_typeof(record::json -> 'kind') = 'string' THEN record::json ->> 'kind' END;
+EXCEPTION WHEN others THEN
+    RETURN NULL;
+END $$;
+
 -- Every job, whatever its state: one row per id, so an id is taken while
 -- its job (or its history) is here, and free again once retention has
 -- deleted it. States: new, running, failed (waiting to run again), dead,
@@ -29,7 +40,8 @@ CREATE TABLE spoolq.jobs (
     target      text,                           -- what stats group by (kind, else program), set as it finishes
     valid       boolean NOT NULL DEFAULT true,  -- false: the record is no job at all (dead, with the reason)
     reason      text,                           -- why a job that can never run is dead
-    purged      boolean NOT NULL DEFAULT false, -- a dead job cleared into the history: no longer retried
+    purged      boolean NOT NULL DEFAULT false, -- a dead job cleared into the history (still dead: retry takes it)
+    kind        text GENERATED ALWAYS AS (spoolq.kind_of(record)) STORED,
     CHECK ((state = 'running') = (token IS NOT NULL AND worker IS NOT NULL))
 );
 -- Claims walk this one: the due jobs in order.
@@ -57,7 +69,18 @@ CREATE TABLE spoolq.workers (
     session_pid integer NOT NULL DEFAULT pg_backend_pid(),
     db_user     text NOT NULL DEFAULT current_user,
     runs        jsonb NOT NULL DEFAULT '{}',    -- job id -> {attempt, started_at, pgid, spawned}
+    kinds       jsonb,                          -- the handler kinds it runs (a list; NULL: every kind)
     lost_at     timestamptz                     -- when a recovery first found its lock free
+);
+
+-- What the last worker to start said of itself: the kinds it has
+-- handlers for (name 'kinds'), so that status, list and show can say a
+-- waiting handler job waits for a worker with a handler for its kind
+-- after that worker has gone.
+CREATE TABLE spoolq.notes (
+    name        text PRIMARY KEY,
+    value       jsonb NOT NULL,
+    at          timestamptz NOT NULL DEFAULT now()
 );
 
 -- Settings stored with `spoolq config set` (the defaults are spoolq's).
