@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator
 
 from ..backend import Look, PlainCommit
 from ..errors import ConfigError, SpoolError
-from . import moves, reads, recovery, schema
+from . import moves, ordering, reads, recovery, schema
 from .claims import Claims
 from .connect import connect, first_line, is_url, psycopg_module, without_password
 from .liveness import PgWorkerReg
@@ -182,10 +182,11 @@ class PgBackend:
     # -- producers -------------------------------------------------------------
 
     @_db
-    def enqueue(self, jobs: list[tuple[str, Any, float | None]], existing_ok: bool = False) -> list[str]:
+    def enqueue(self, jobs: list[tuple[str, Any, float | None]], existing_ok: bool = False,
+                on_existing: Callable[[str, str], None] | None = None) -> list[str]:
         """One durable batch of (id, record, due epoch or None); see moves.enqueue."""
         self.open(create=True)
-        return moves.enqueue(self._conn("auto"), jobs, existing_ok)
+        return moves.enqueue(self._conn("auto"), jobs, existing_ok, on_existing)
 
     @_db
     def has_id(self, job_id: str) -> bool:
@@ -250,6 +251,18 @@ class PgBackend:
         return moves.retry_all(self._conn("auto"), self.settings, on_problem)
 
     @_db
+    def hold(self, job_id: str) -> None:
+        """A waiting job held: never claimed until released."""
+        self.open()
+        ordering.hold(self._conn("auto"), job_id, moves.held_row)
+
+    @_db
+    def release_held(self, job_id: str, now: bool = False) -> None:
+        """A held job waiting again, due when it was (``now``: due now)."""
+        self.open()
+        ordering.release(self._conn("auto"), job_id, now, moves.held_row)
+
+    @_db
     def compact(self, keep: float | None = None) -> dict[str, Any]:
         self.open()
         return moves.compact(self._conn("auto"), keep)
@@ -312,7 +325,7 @@ class PgBackend:
         next job this worker can run is due (epoch seconds, by this host's
         clock from the database's distance to it)."""
         due = self.next_due()
-        return Look(due=time.time() + due if due is not None else None)
+        return Look(due=time.time() + due if due is not None else None, busy=self.claims.busy)
 
     def look_ahead(self) -> None:
         """Nothing to prepare: a claim is one statement."""

@@ -15,7 +15,8 @@ from ..record import rfc3339
 from .schema import LOCK_CLASS
 
 # The state names users see (the directory spool's), by the table's.
-SHOWN = {"new": "new", "running": "cur", "failed": "failed", "dead": "dead", "done": "done"}
+SHOWN = {"new": "new", "running": "cur", "failed": "failed", "dead": "dead", "done": "done", "held": "held",
+         "waiting": "waiting"}
 STORED = {shown: stored for stored, shown in SHOWN.items()}
 
 # Upper bounds (seconds) of the run-duration histogram's buckets: the
