@@ -1,8 +1,9 @@
-"""Recording a run's outcome: the job moved out of cur/ through the store
-(or put back, when it never started), its registration entry let go, its
-line logged once the group commit has made it durable; and what happens
-when an outcome cannot be recorded (the job stays for recovery, the worker
-claims no more).
+"""Recording a run's outcome: the job finished through the backend (or
+put back, when it never started), its registration entry let go, its line
+logged once the backend's commit has made it durable (``Recorder`` is the
+commit's ``CommitHooks``); and what happens when an outcome cannot be
+recorded (the job stays for recovery, the worker claims no more) or the
+claim was lost (another worker recovered the job: the run is not counted).
 """
 
 from __future__ import annotations
@@ -11,68 +12,62 @@ import logging
 import time
 from typing import Any
 
+from .backend import Claim, Finished
 from .errors import ForcedStop
 from .output import quoted, wants
 from .record import Outcome
 from .runner import STOPPED_NOW
-from .dirspool.backend import Claimed
 
 
 class Recorder:
-    """Records the outcomes of one worker's runs (``worker``: its store,
+    """Records the outcomes of one worker's runs (``worker``: its backend,
     registration, group commit, log and stop flags)."""
 
     def __init__(self, worker: Any):
         self.w = worker
 
-    def record(self, claimed: Claimed, out: Outcome) -> None:
-        """Move a job out of cur/ by its outcome (staged for the group
-        commit, or at once), to be logged once durable."""
-        job_id, attempt = claimed.job_id, claimed.attempt  # (finish counts the attempt into the job)
+    def record(self, claim: Claim, out: Outcome) -> None:
+        """Finish a job by its outcome (pending until the backend's commit),
+        to be logged once durable."""
+        job_id = claim.job_id
         reg = self.w.registration
-        if out.not_started and self._put_back(claimed, out):
+        backend = self.w.backend
+        if out.not_started and self._put_back(claim, out):
             return
         try:
             if not out.ok:  # a failed run's record must be known as this run's (a success needs no telling)
                 try:
-                    reg.ensure_listed(job_id)
+                    reg.ensure_noted(job_id)
                 except OSError:
                     pass  # only a crash right after the record would count the run twice
-            dest, due, staged = self.w.store.finish(claimed, out, reg.worker_id)
+            finished = backend.finish(claim, out, reg.worker_id)
         except (Exception, ForcedStop) as e:
-            # The job stays in cur/ and its registration entry stays too, so
+            # The job stays claimed and its registration entry stays too, so
             # recovery knows which run it was.
-            self.w.store.release(claimed)
-            self.cannot_record(job_id, f"cannot record the outcome: {type(e).__name__}: {e}", self.w.store.where(claimed))
+            backend.release(claim)
+            self.cannot_record(job_id, f"cannot record the outcome: {type(e).__name__}: {e}", backend.where(claim))
             return
-        item = (claimed, out, attempt, dest, due)
-        if staged:  # moved on by the next commit
-            # A success or a dead end lets its registration entry go now, or
-            # every registration save would carry the staged jobs too:
-            # recovery knows those records by their state. A failed run keeps
-            # it until the move: its record swapped in but not moved on looks
-            # like the one it replaced, and the entry tells recovery which
-            # run it was.
-            if dest != "failed":
-                self.forget_run(job_id)
-            self.w.commit.staged(item)
+        if finished.lost:
+            self.forget_run(job_id)
+            self.w.log.line(f"worker={self.w.wid} job={job_id} outcome=lost error={quoted('the claim was lost: another worker recovered the job')} "
+                            "(this run is not counted)", 0, logging.WARNING)
             return
-        self.w.commit.moved(item)
+        self.w.commit.add(finished, out)
 
-    def _put_back(self, claimed: Claimed, out: Outcome) -> bool:
+    def _put_back(self, claimed: Claim, out: Outcome) -> bool:
         """A job claimed but stopped before it began (a second stop signal
         between the two, or a worker that can no longer start it) goes back
         where it came from, as it was: no run happened, so none is counted.
         False if it cannot (then it is finished as a failed run)."""
         try:
-            folder = self.w.store.unclaim(claimed)
+            folder = self.w.backend.unclaim(claimed)
         except Exception as e:
-            where = self.w.store.where(claimed)
+            where = self.w.backend.where(claimed)
             if where == "cur":
                 return False  # not moved: finished as an interrupted run
             # Moved back, but a sync after failed: as for any record that
             # cannot be made durable, claim no more.
-            self.w.store.release(claimed)
+            self.w.backend.release(claimed)
             self.forget_run(claimed.job_id)
             self.cannot_record(claimed.job_id, f"{type(e).__name__}: {e}", where, back=True)
             return True
@@ -98,21 +93,33 @@ class Recorder:
         job = f" job={job_id}" if job_id is not None else ""
         w.log.line(f"worker={w.wid}{job} error={quoted(why)} {tail}the worker stops claiming", 0)
 
-    def moved(self, claimed: Claimed, completed: bool) -> None:
-        """A job has left cur/ (``completed``: moved on by the group commit,
-        which counts as a finish for the dispatcher: a failed job may be due
-        again at once, and it could not see it while it waited in cur/)."""
-        self.forget_run(claimed.job_id)
+    # -- the commit's hooks (backend.CommitHooks) ---------------------------------
+
+    def left(self, claim: Claim, completed: bool) -> None:
+        """A job has left this worker's hands (``completed``: moved on by
+        the commit, which counts as a finish for the dispatcher: a failed
+        job may be due again at once, and it could not see it before)."""
+        self.forget_run(claim.job_id)
         self.w.moved(completed)
+
+    def forget(self, job_id: str) -> None:
+        self.forget_run(job_id)
+
+    def failed(self, job_id: str | None, why: str, where: str) -> None:
+        self.cannot_record(job_id, why, where)
 
     def forget_run(self, job_id: str) -> None:
         try:
-            self.w.registration.job_ended(job_id)
+            self.w.registration.end_run(job_id)
         except OSError:
             pass
 
+    def durable(self, finished: Finished, out: Outcome) -> None:
+        """The outcome's line (the commit calls this once it is durable)."""
+        claim = finished.claim
+        self.log_outcome(claim.job, out, claim.attempt, finished.state, finished.due)
+
     def log_outcome(self, job: dict, out: Outcome, attempt: int, dest: str, due: float | None) -> None:
-        """The outcome's line (the group commit calls this once it is durable)."""
         level, severity = (0, None) if dest == "dead" else (1, logging.WARNING if dest == "failed" else None)
         if not wants(self.w.log, level, severity):
             return  # (not worth building a line that would be dropped)

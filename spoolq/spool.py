@@ -551,13 +551,13 @@ class Spool(Views):
         return WorkResult(ran, not worker.failed_to_record)
 
     def _worker(self, **options: Any):
-        """A Worker on this spool: the spool directory as its store (with the
-        shared settings) and this spool's compaction, nothing more of the facade."""
-        from .dirspool.backend import DirStore  # imported here: start-up speed (the store pulls in the runner and the watcher)
-        from .worker import Worker  # (as the store)
+        """A Worker on this spool: the spool directory's backend (with the
+        shared settings and this spool's compaction), nothing more of the facade."""
+        from .dirspool.backend import DirBackend  # imported here: start-up speed (the backend pulls in the runner and the watcher)
+        from .worker import Worker  # (as the backend)
 
         self._open(create=True)
-        return Worker(DirStore(self.context()), compact=self.compact, **options)
+        return Worker(DirBackend(self.context(), compact=self.compact), **options)
 
 
 class WorkResult(int):

@@ -18,22 +18,19 @@ import time
 from typing import Any
 
 from . import procs
-from .dirspool.protocol import Entry
+from .backend import Claim
 from .record import Outcome
 from .runner import close_all, make_outputs
-from .dirspool.backend import Claimed
 
-COMPLETE_PER_JOB = 2  # synced jobs moved on beside each job's run (see Serial.beside_spawn)
 SPIN_RECOUNT_SECONDS = 1.0  # how often the live workers on the spool are counted again for polling
-FOREIGN_AHEAD = 64  # entries the look-ahead may pass over as handler jobs this worker cannot run
 
 
 class Serial:
     """``jobs=1``: one job at a time, in the dispatcher's thread, with the
     work around it done while a job's process runs: the last job's outcome
-    is recorded, synced jobs are moved on, the next job is prepared (locked
-    and read, not yet renamed into cur/) and its output files made, so that
-    a short job's turnaround is little more than its own run."""
+    is recorded, the commit does a little of its work, the backend prepares
+    the next job (its look-ahead) and the next run's output files are made,
+    so that a short job's turnaround is little more than its own run."""
 
     staged_factor = 2  # the dispatcher moves staged jobs on between jobs: let twice as many wait
 
@@ -42,9 +39,7 @@ class Serial:
         self.tuning = tuning
         # The outcome of the last process job, recorded once the next job's
         # process has started, or when the dispatcher pauses or stops.
-        self._unrecorded: tuple[Claimed, Outcome] | None = None
-        # The next entry of the pass, prepared while the current job runs.
-        self._ahead: tuple[Entry, Claimed | None] | None = None
+        self._unrecorded: tuple[Claim, Outcome] | None = None
         # The next process job's output files, made while the current one
         # runs, and the last one's, closed once the next has started.
         self._spare_outputs: tuple[int, int] | None = None
@@ -66,18 +61,7 @@ class Serial:
     def unused(self) -> None:
         pass
 
-    def claim_ahead(self, entry: Entry) -> tuple[bool, Claimed | None]:
-        """The claim of ``entry`` if it was prepared while the last job ran:
-        (True, its claim or None); (False, None) if it was not."""
-        ahead = self._ahead
-        if ahead is not None and ahead[0] is entry:
-            self._ahead = None
-            ready = ahead[1]
-            return True, (self.w.store.take(ready, time.time_ns(), self.w.on_quarantine) if ready else None)
-        self.drop_ahead()
-        return False, None
-
-    def execute(self, claimed: Claimed) -> None:
+    def execute(self, claimed: Claim) -> None:
         self.w.execute(claimed)
 
     def idle(self) -> None:
@@ -87,7 +71,7 @@ class Serial:
 
     def drain(self) -> None:
         """As the worker ends: let the prepared job go, record the last outcome."""
-        self.drop_ahead()
+        self.w.backend.drop_ahead()
         self.record_unrecorded()
 
     def close(self) -> None:
@@ -106,17 +90,14 @@ class Serial:
 
     def beside_spawn(self) -> None:
         """While a job's process starts up and runs, record the job before
-        it, move a few synced jobs on and prepare the next one: that work
-        then costs no time of its own. The sync is the committer thread's:
-        it blocks without using a CPU. The moves are this thread's, a few
-        per job: in the committer they would take Python's lock from this
-        thread at each of their many calls."""
+        it, let the commit do a little of its work and have the next job
+        prepared (the backend's look-ahead): that work then costs no time
+        of its own."""
         self.record_unrecorded()
-        commit = self.w.commit
-        if commit.busy():
-            commit.complete_synced(COMPLETE_PER_JOB)
-            commit.want_sync()
-        self._look_ahead()
+        w = self.w
+        w.commit.beside_run()
+        if w.may_claim():
+            w.backend.look_ahead()
         close_all(self._spent_fds)
         if self._spare_outputs is None:
             try:
@@ -126,7 +107,7 @@ class Serial:
 
     def on_slow(self) -> tuple[float, Any] | None:
         """A job still running after the hold must not keep the next one locked."""
-        return (self.tuning.look_ahead_hold, self.drop_ahead)
+        return (self.tuning.look_ahead_hold, self.w.backend.drop_ahead)
 
     def process_options(self) -> dict[str, Any]:
         outputs, self._spare_outputs = self._spare_outputs, None
@@ -138,7 +119,7 @@ class Serial:
         """A process job has been reaped."""
         self._last_short = time.monotonic() - self._began < self.tuning.spin_window
 
-    def finished(self, claimed: Claimed, out: Outcome, inline: bool) -> None:
+    def finished(self, claimed: Claim, out: Outcome, inline: bool) -> None:
         """A process job's outcome waits for the next job's start (see beside_spawn)."""
         self.record_unrecorded()
         if not inline and not self.w.stopping:
@@ -151,36 +132,6 @@ class Serial:
         if waiting is not None:
             self.w.record(*waiting)
 
-    # -- look-ahead ------------------------------------------------------------
-
-    def _look_ahead(self) -> None:
-        """Prepare the next entry of the pass (lock, read, validate) so
-        that only its rename is left once the running job ends. Nothing
-        changes on disk, so a crash leaves nothing to recover; a slow job
-        lets it go after the hold (see on_slow)."""
-        w = self.w
-        entries, pos = w.pass_left
-        if self._ahead is not None or pos >= len(entries) or not w.may_claim():
-            return
-        # Handler jobs this worker cannot run are passed over (a few at a
-        # time), so that the next job it can run is the one prepared, and
-        # reading them costs no time of its own beside a running job.
-        for entry in entries[pos:pos + FOREIGN_AHEAD]:
-            try:
-                ready = w.prepare(entry)
-            except Exception:
-                return  # the dispatcher will claim it the usual way and say what failed
-            if ready is None and w.passed_over.known(entry):
-                continue
-            self._ahead = (entry, ready)
-            return
-
-    def drop_ahead(self) -> None:
-        """Let the prepared job go: only its lock, nothing was moved."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None and ahead[1] is not None:
-            self.w.store.release(ahead[1])
-
     def _may_spin(self) -> bool:
         """Whether each worker process on the spool (of this command, or
         registered by any other) and each one's job can have a CPU of those
@@ -192,7 +143,7 @@ class Serial:
         if now - self._spin_counted >= SPIN_RECOUNT_SECONDS:
             self._spin_counted = now
             try:
-                workers = max(self.w.processes, self.w.store.count_workers())
+                workers = max(self.w.processes, self.w.backend.count_workers())
                 load = self.tuning.load_average()
             except OSError:
                 workers, load = self._cpus, float("inf")  # unknown: do not poll
@@ -242,10 +193,7 @@ class Slots:
     def unused(self) -> None:
         self._slot_free.put(True)
 
-    def claim_ahead(self, entry: Entry) -> tuple[bool, Claimed | None]:
-        return False, None
-
-    def execute(self, claimed: Claimed) -> None:
+    def execute(self, claimed: Claim) -> None:
         self._handoff.put(claimed)
 
     def idle(self) -> None:
@@ -299,5 +247,5 @@ class Slots:
     def ran(self) -> None:
         pass
 
-    def finished(self, claimed: Claimed, out: Outcome, inline: bool) -> None:
+    def finished(self, claimed: Claim, out: Outcome, inline: bool) -> None:
         self.w.record(claimed, out)

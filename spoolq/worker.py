@@ -1,21 +1,21 @@
 """The worker loop: recover, then claim and run due jobs.
 
-One dispatcher lists the waiting folders once per pass and claims jobs from
-that sorted list; it lists again only when the list is used up, so a drain
-never lists a folder once per job. With ``jobs=1`` the dispatcher runs each
-job itself (no threads, the cheapest path); with ``jobs=N`` it hands claimed
-jobs to N slot threads and claims only when a slot is free. (``spoolq work
--j N`` runs N processes of ``jobs=1`` instead: see pool.py.)
+One dispatcher asks the spool for the next job (``Backend.claim_next``:
+which job comes next, and how, is the backend's business) until it has
+none for now: that is the end of a pass. With ``jobs=1`` the dispatcher
+runs each job itself (no threads, the cheapest path); with ``jobs=N`` it
+hands claimed jobs to N slot threads and claims only when a slot is free.
+(``spoolq work -j N`` runs N processes of ``jobs=1`` instead: see pool.py.)
 
 The worker is in parts: this module's dispatcher (passes, claims, waits,
-signals, compaction); strategies.py's Serial (-j 1, with its pipelining)
-and Slots (-j N); outcomes.py's Recorder (a run's outcome into the store);
-commit.py's GroupCommit (outcomes made durable, then logged); and the
-storage itself only through dirspool/backend.py's Store interface. ``Tuning`` holds
-the timings of the pipelining and the group commit, passed in.
+signals); strategies.py's Serial (-j 1, with its pipelining) and Slots
+(-j N); outcomes.py's Recorder (a run's outcome into the spool, told once
+the backend's commit made it durable); and the spool itself only through
+the storage port (backend.py). ``Tuning`` holds the timings of the
+pipelining and the commit, passed in.
 
 A drain ends when a pass claims nothing and no job finished since it began
-(a file locked by someone else cannot make it spin). In watch mode the
+(a job held a moment by another worker cannot make it spin). In watch mode the
 dispatcher sleeps instead, until the watcher, the next due time, a finished
 job or the periodic rescan wakes it.
 
@@ -38,27 +38,26 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from . import config, linux, procs
-from .commit import COMMIT_JOBS, COMMIT_SECONDS, GroupCommit
+from .backend import Backend, Claim, Unavailable, WorkerReg
 from .errors import ForcedStop, ForkServerGone
 from .forkserver import ForkServer
 from .outcomes import Recorder
-from .output import Log, as_log, field, log_what_waits, quoted  # noqa: F401 - Log, log_what_waits: importable from here too
-from .dirspool.protocol import Entry, id_of, id_problem
-from .dirspool.registry import Registration
+from .output import Log, as_log  # noqa: F401 - Log: importable from here too
 from .record import Outcome
 from .runner import STOPPED_NOW, Limits, RunHandle, RunPlan, call_handler, fork_handler, inheritable_fds, run_process
-from .dirspool.backend import WRITER_GRACE, Claimed, Store
 from .strategies import Serial, Slots
 from .waker import Waker
 
-# Due entries kept per pass: memory stays bounded (~50 MB) however many
-# files wait; a backlog larger than this takes a pass per SCAN_LIMIT jobs.
+# Due entries a directory spool keeps per pass: memory stays bounded
+# (~50 MB) however many files wait; a larger backlog takes more passes.
 SCAN_LIMIT = 200_000
+# Finished jobs wait at most this long to be made durable together.
+COMMIT_SECONDS = 0.05
 # -j 1 prepares the next job while the current one's process runs; a job
 # still running after this long lets the next one go again.
 LOOK_AHEAD_HOLD = 0.005
-# A pass that found due files locked by another process looks again this
-# soon, up to this many times in a row, before it sleeps or ends a drain.
+# A pass that found due jobs held a moment by another worker looks again
+# this soon, up to this many times in a row, before it sleeps or ends a drain.
 BUSY_RETRY_DELAY = 2 * LOOK_AHEAD_HOLD
 BUSY_RETRIES = 100
 # -j 1 waits for a short job's exit by polling (yielding the CPU between
@@ -71,20 +70,10 @@ BUSY_RETRIES = 100
 # and the machine's load average is below its CPU count; else polling
 # would take the CPU from a job.
 SPIN_WINDOW = 0.002
-COMPACT_CHECK_JOBS = 1000  # count done/ for auto-compaction after this many jobs ...
-COMPACT_CHECK_SECONDS = 60.0  # ... or this long
-READ_AHEAD = 256  # a pass whose files went cold is read ahead by up to this many files ...
-PROBE_CLAIMS = 64  # ... once an eighth of this many claims in a row waited for the disk
 RELAYED_SIGNALS = procs.RELAYED_SIGNALS  # stop, stop now: from the parent of a worker pool
 STOPPING = "no new jobs; running jobs finish (a second SIGTERM or SIGINT kills them)"
 STOPPING_NOW = "running jobs are killed and go back to failed/"
-
-
-def named(name: str) -> str:
-    """A file in a log line: ``job=ID`` when its name is an id's file (as
-    every line about a job names it), else ``file=NAME``."""
-    job_id = id_of(name)
-    return f"job={job_id}" if id_problem(job_id) is None else f"file={field(name)}"
+UNAVAILABLE_BACKOFF = (0.1, 5.0)  # the first and the longest wait before trying an unreachable spool again
 
 
 def _run_as(job: dict) -> Any:
@@ -125,44 +114,6 @@ def job_env(base: dict[str, str], job: dict, attempt: int, spool: str, worker_id
     return env
 
 
-class ReadAhead:
-    """Reads a pass's waiting files into memory ahead of their claims, once
-    claims are seen waiting for the disk.
-
-    A job that waited long enough for the kernel to drop its file from the
-    page cache (some machines reclaim pages untouched for a minute, without
-    any memory pressure) costs its claim one synchronous disk read: 100 us
-    or more, where the rest of a no-op job's claim and finish take ~150 us.
-    A large backlog is exactly that case. Reading ahead costs an open,
-    ``posix_fadvise`` and close per file (~8 us), so it starts only once
-    an eighth of PROBE_CLAIMS claims were slow reads, and a pass with a
-    warm cache never pays it; a new pass (a new scan) decides anew."""
-
-    def __init__(self, store: Store, entries: list[Entry]):
-        self.store = store
-        self.entries = entries
-        self.on = False
-        self.read_to = 0  # entries before this index were handed to prefetch
-        self.slow_seen = store.slow_reads()
-        self.next_probe = PROBE_CLAIMS
-
-    def before(self, pos: int) -> None:
-        """Called before ``entries[pos]`` is claimed."""
-        if not self.on:
-            if pos < self.next_probe:
-                return
-            reads = self.store.slow_reads()
-            slow, self.slow_seen = reads - self.slow_seen, reads
-            self.next_probe = pos + PROBE_CLAIMS
-            if slow * 8 < PROBE_CLAIMS:
-                return
-            self.on = True
-        if self.read_to - pos < READ_AHEAD // 2:
-            start = max(self.read_to, pos)
-            self.read_to = min(len(self.entries), pos + READ_AHEAD)
-            self.store.prefetch(self.entries[start:self.read_to])
-
-
 def _load_average() -> float:
     return os.getloadavg()[0]
 
@@ -186,96 +137,12 @@ class Tuning:
     scan_limit: int = SCAN_LIMIT
 
 
-class PassedOver:
-    """The due handler jobs a worker has no handler for, left waiting,
-    untouched, for a worker that has one: each is read once, then passed
-    over by its (folder, name, due time) without a read. A pass keeps the
-    ones it met for the next; any change of the file (a rewrite, ``touch
-    -d``) changes its due time, and it is read again. The store keeps them
-    from one worker to the next (``load``, ``save``): a worker a minute
-    from cron reads each such file once, not once a minute."""
-
-    def __init__(self) -> None:
-        self.now: dict[tuple[str, str, int], str] = {}  # this pass's, by key: their kind
-        self.before: dict[tuple[str, str, int], str] = {}  # the pass before's not met again yet
-        self.told: set[str] = set()  # the kinds logged already
-        self.loaded: dict[tuple[str, str, int], str] = {}  # what the last worker left
-
-    def load(self, store: Store, handlers: dict[str, Any]) -> None:
-        """Take what the last worker passed over, but the kinds this one runs."""
-        try:
-            self.loaded = store.passed_over()
-        except Exception:  # (only a cache: every file is read again)
-            self.loaded = {}
-        self.now.update((key, kind) for key, kind in self.loaded.items() if kind not in handlers)
-
-    def save(self, store: Store) -> None:
-        """Leave the ones met (or loaded and not yet met) to the next worker."""
-        passed = {**self.before, **self.now}
-        if passed != self.loaded:
-            try:
-                store.note_passed(passed)
-            except Exception:
-                pass  # the next worker reads them again
-
-    def __bool__(self) -> bool:
-        return bool(self.now or self.before)
-
-    def new_pass(self) -> None:
-        self.before, self.now = self.now, {}
-
-    def known(self, entry: Entry) -> bool:
-        key = (entry.state, entry.name, entry.due_ns)
-        kind = self.now.get(key) or self.before.pop(key, None)
-        if kind is None:
-            return False
-        self.now[key] = kind
-        return True
-
-    def unknown(self, entries: list[Entry]) -> list[Entry]:
-        """``entries`` but the ones known to be passed over (kept as met)."""
-        before, now = self.before, self.now
-        kept = []
-        for entry in entries:
-            key = (entry.state, entry.name, entry.due_ns)
-            kind = before.pop(key, None)
-            if kind is None:
-                kept.append(entry)
-            else:
-                now[key] = kind
-        return kept
-
-    def add(self, entry: Entry, kind: str) -> None:
-        self.now[(entry.state, entry.name, entry.due_ns)] = kind
-
-    def waiting(self) -> dict[str, int]:
-        """This pass's, counted by kind."""
-        counts: dict[str, int] = {}
-        for kind in self.now.values():
-            counts[kind] = counts.get(kind, 0) + 1
-        return counts
-
-    def tell(self, store: Store, log: Log, wid: str, kinds: list[str]) -> None:
-        """After a pass: log each kind left waiting (once per worker), and
-        leave the counts in the store for status, list and show."""
-        waiting = self.waiting()
-        for kind in sorted(set(waiting) - self.told):
-            self.told.add(kind)
-            log.line(f"worker={wid} kind={field(kind)} waiting={waiting[kind]} left waiting: this worker has no "
-                     "handler for that kind (spoolq work --app MODULE:ATTR, or spoolq config set app MODULE)", 1,
-                     logging.WARNING)
-        try:
-            store.note_unhandled(wid, kinds, waiting)
-        except Exception as e:  # only a note for status: never stop the worker for it
-            log.line(f"worker={wid} cannot write workers/.unhandled: {e}", 2)
-
-
 class Worker:
-    """Runs jobs from one store until it is drained (or stopped, in watch mode)."""
+    """Runs jobs from one spool until it is drained (or stopped, in watch mode)."""
 
     def __init__(
         self,
-        store: Store,
+        backend: Backend,
         handlers: dict[str, Callable[[Any], Any]] | None = None,
         jobs: int = 1,
         max_jobs: int | None = None,
@@ -289,18 +156,15 @@ class Worker:
         relayed: bool = False,
         pool_parent: int | None = None,
         processes: int = 1,
-        compact: Callable[[], dict[str, Any]] | None = None,
         tuning: Tuning | None = None,
     ):
-        """``store``: the jobs and their settings (a config.Settings,
-        reloaded in place on SIGHUP); ``compact``: folds done/ into the
-        index with those settings (automatic compaction; None: never).
+        """``backend``: the spool (the jobs, and their settings: a
+        config.Settings-like mapping, reloaded in place on SIGHUP).
         (Long: one attribute a line, each with why it is kept.)"""
         if jobs < 1:
             raise ValueError("jobs must be at least 1")
-        self.store = store
-        self.settings = store.settings
-        self.compact = compact
+        self.backend = backend
+        self.settings = backend.settings
         self.handlers = dict(handlers or {})
         self.jobs = jobs
         self.max_jobs = max_jobs
@@ -324,12 +188,11 @@ class Worker:
         self.waker = waker
         self.tuning = tuning or Tuning()
         self.ran = 0
-        self.registration: Registration | None = None
+        self.registration: WorkerReg | None = None
         self.forks: ForkServer | None = None  # while it runs with handlers: where their processes are forked
         self.failed_to_record = False
         self.stopping = False
         self.active = 0
-        self.pass_left: tuple[list[Entry], int] = ([], 0)  # the dispatcher's pass and where it is in it
         self._claimed = 0
         self._finished_since_scan = 0
         self._forced = False
@@ -338,28 +201,13 @@ class Worker:
         self._lock = threading.RLock()  # re-entrant: the signal handler takes it too
         self._running: dict[int, RunHandle] = {}  # thread id -> the run it is doing
         self.strategy: Serial | Slots = Serial(self, self.tuning) if jobs == 1 else Slots(self, jobs)
-        # Each staged job holds two descriptors; a commit comes once a
-        # sixteenth of the open-file limit are synced, or twice that staged,
-        # so at most ~a quarter of the limit is theirs.
         self.recorder = Recorder(self)
         self.record = self.recorder.record
-        self.commit = GroupCommit(store, max(1, min(COMMIT_JOBS, procs.open_file_limit() // 16)), self.tuning.commit_seconds,
-                                  self.recorder.moved, self.recorder.log_outcome, self.recorder.cannot_record)
+        self.commit = backend.committer(self.recorder, self.tuning.commit_seconds)
         self._spawn_closes: list[int] = []
-        self._busy_this_pass = 0  # due files another process held when we tried them
-        # When the first file this pass left for its writer to finish (see
-        # transitions.WRITER_GRACE) is to be looked at again: no event may
-        # come to say so. And the (name, time) already logged, to log each once.
-        self._later_ns: int | None = None
-        self._later_logged: set[tuple[str, int]] = set()
-        self._pickup_more = False  # the last pickup left entries of drop/ for the next pass
-        self._pickup_failures: set[str] = set()  # told once per run each (a full disk would fail every pass)
-        self.passed_over = PassedOver()  # handler jobs of kinds it has no handler for
-        self._next_compact_ran = 0
-        self._next_compact_time = 0.0
         self._default_limits: tuple[int, Limits] | None = None
         self._base_env = dict(os.environ)
-        self._base_env["SPOOLQ_SPOOL"] = store.root
+        self._base_env["SPOOLQ_SPOOL"] = backend.location
 
     # -- control -----------------------------------------------------------
 
@@ -460,7 +308,7 @@ class Worker:
                 self.forks.close()
 
     def _run(self) -> int:
-        store = self.store
+        backend = self.backend
         # The handlers come before the registration: once a worker can be
         # seen (a file in workers/), a stop or a reload must find them.
         old_handlers = {}
@@ -469,10 +317,9 @@ class Worker:
                 if self.relayed or sig not in RELAYED_SIGNALS or signal.getsignal(sig) == signal.SIG_DFL:
                     old_handlers[sig] = signal.signal(sig, self._on_signal)
         try:
-            store.open()
-            self.registration = store.register(sorted(self.handlers))
-            self.passed_over.load(store, self.handlers)
-            self.registration.start_flusher()
+            backend.log = self._backend_line
+            backend.open(create=True)
+            self.registration = backend.register(sorted(self.handlers), self.tuning)
         except BaseException:
             for sig, old in old_handlers.items():
                 signal.signal(sig, old)
@@ -484,7 +331,7 @@ class Worker:
             if self.recover:
                 self._recover()
             if self.waker is None:
-                self.waker = store.waker(self.poll, self.log) if self.watch else Waker()
+                self.waker = backend.waker(self.poll, self.log) if self.watch else Waker()
             self.waker.rescan_interval = self._rescan_interval()
             self.waker.start()
             # With -j 1 the dispatcher moves staged jobs on between its jobs;
@@ -511,8 +358,7 @@ class Worker:
                 self.waker.stop()
             for sig, old in old_handlers.items():
                 signal.signal(sig, old)
-            self.passed_over.save(store)
-            store.close()
+            backend.close()
             self.strategy.close()
             self.registration.close()
         return self.ran
@@ -520,9 +366,13 @@ class Worker:
     def _commit_failed(self, e: Exception) -> None:
         self.log.line(f"worker={self.wid} commit failed: {e}", 0)
 
+    def _backend_line(self, text: str, level: int = 0, severity: int | None = None) -> None:
+        """What the backend tells (a job set aside, a pickup, a compaction), as this worker's."""
+        self.log.line(f"worker={self.wid} {text}", level, severity)
+
     def _recover(self) -> None:
         try:
-            report, removed = self.store.recover()
+            report = self.backend.recover()
         except Exception as e:  # recovery failing must not keep jobs from running
             self.log.line(f"worker={self.wid} recovery failed: {type(e).__name__}: {e}", 0)
             return
@@ -533,11 +383,11 @@ class Worker:
                 0, logging.ERROR if report.dead else logging.WARNING,
             )
         if report.left_running:
-            self.log.line(f"worker={self.wid} left {report.left_running} jobs of dead workers in cur/: "
+            self.log.line(f"worker={self.wid} left {report.left_running} jobs of dead workers running: "
                           "their processes still run and are another user's to kill (recovered by the first recovery after they end)", 0,
                           logging.WARNING)
-        if removed:
-            self.log.line(f"worker={self.wid} removed {removed} stale tmp/ files", 1)
+        if report.tmp_removed:
+            self.log.line(f"worker={self.wid} removed {report.tmp_removed} stale half-written jobs", 1)
 
     def may_claim(self) -> bool:
         if self.stopping:
@@ -551,210 +401,120 @@ class Worker:
     # -- the dispatcher ----------------------------------------------------
 
     def _dispatch(self) -> None:
-        """Claim the due entries of each pass in order and hand them to the
-        strategy; between passes, wait or end (see _between_passes)."""
-        store, strategy, commit = self.store, self.strategy, self.commit
-        entries: list[Entry] = []
-        read_ahead = ReadAhead(store, entries)
-        pos = 0
+        """Claim the next job and hand it to the strategy, until the
+        backend has none for now (a pass ends); between passes, wait or end
+        (see _between_passes)."""
+        backend, strategy, commit = self.backend, self.strategy, self.commit
         self._pass_claims = 0
-        self._next_due: int | None = None
         self._busy_rounds = 0
-        first = True
-        while self.may_claim():
-            if pos >= len(entries):
-                if not self._between_passes(first):
-                    break
-                first = False
-                entries, pos = self._scan(), 0
-                read_ahead = ReadAhead(store, entries)
-                continue
-            read_ahead.before(pos)
-            entry = entries[pos]
-            pos += 1
+        fresh = self.may_claim() and self._between_passes(True)
+        while fresh and self.may_claim():
             if commit.full(strategy.staged_factor):
                 commit.commit()
             if not strategy.ready():
                 break
-            claimed = self._claim(entry)
-            if claimed is None:
+            claim = self._claim_next()
+            if claim is None:
                 strategy.unused()
+                fresh = self._between_passes(False)
                 continue
             self._pass_claims += 1
             self._claimed += 1
             with self._lock:
                 self.active += 1
-            self.pass_left = (entries, pos)
-            strategy.execute(claimed)
+            strategy.execute(claim)
         commit.commit()
         strategy.wait_running()
         commit.commit()
 
+    def _claim_next(self) -> Claim | None:
+        try:
+            return self.backend.claim_next()
+        except Unavailable as e:  # (a database out of reach) wait, then look again
+            self._unreachable(e)
+            return None
+
+    def _unreachable(self, e: Exception) -> None:
+        wait = getattr(self, "_backoff", UNAVAILABLE_BACKOFF[0])
+        self.log.line(f"worker={self.wid} the spool cannot be reached: {e} (trying again in {wait:.1f}s)", 0,
+                      logging.WARNING)
+        self.waker.wait(wait)
+        self._backoff = min(UNAVAILABLE_BACKOFF[1], wait * 2)
+
     def _between_passes(self, first: bool) -> bool:
         """At the end of a pass: commit, then wait for something to change
-        (or a moment, when another worker held a due file); False when a
-        drain is over or the worker stops. Then compact if due."""
-        self.strategy.idle()  # before pausing, compacting or scanning
-        if not first:
-            self.passed_over.tell(self.store, self.log, self.wid, sorted(self.handlers))
+        (or a moment, when another worker held a due job); False when a
+        drain is over or the worker stops. Then the backend's upkeep, and a
+        new pass begins."""
+        self.strategy.idle()  # before pausing, compacting or looking again
         if self._pass_claims:
             self._busy_rounds = 0
-        if not first and self._pass_claims == 0 and self._finished_since_scan == 0 and not self._pickup_more:
-            # Nothing changed since the last look.
-            self.commit.commit()
-            if self._finished_since_scan:
-                pass  # staged jobs moved on since (a retry may be due at once): look again
-            elif self._busy_this_pass and self._busy_rounds < BUSY_RETRIES:
-                # Another worker held a due file for a moment: it was
-                # claiming it, or prepared it ahead and may let it go.
-                # No event will say so; look again soon, rather than
-                # sleep or end the drain with it still waiting.
-                self._busy_rounds += 1
-                self.waker.wait(BUSY_RETRY_DELAY)
-            elif not self.watch and self.active == 0 and self._later_ns is None:
+            self._backoff = UNAVAILABLE_BACKOFF[0]
+        if not first and self._pass_claims == 0 and self._finished_since_scan == 0:
+            look = self.backend.next_look()
+            if not look.more and not self._wait(look):
                 return False
-            else:
-                self.registration.flush()
-                self.waker.wait(self._sleep_for(self._next_due, self._later_ns))
-            if not self.may_claim():
-                return False
-        self._maybe_compact()
+        try:
+            self.backend.housekeeping(self.commit.commit)
+        except Unavailable as e:
+            self._unreachable(e)
+        self._new_pass()
         return True
 
-    def _scan(self) -> list[Entry]:
-        """List the due entries for a new pass."""
+    def _wait(self, look: Any) -> bool:
+        """Nothing changed since the last look: wait (or end a drain)."""
+        self.commit.commit()
+        if self._finished_since_scan:
+            pass  # finished jobs moved on since (a retry may be due at once): look again
+        elif look.busy and self._busy_rounds < BUSY_RETRIES:
+            # Another worker held a due job for a moment: it was claiming
+            # it, or prepared it ahead and may let it go. No event will say
+            # so; look again soon, rather than sleep or end the drain with
+            # it still waiting.
+            self._busy_rounds += 1
+            self.waker.wait(BUSY_RETRY_DELAY)
+        elif not self.watch and self.active == 0 and look.later is None:
+            return False
+        else:
+            self.registration.flush()
+            self.waker.wait(self._sleep_for(look.due, look.later))
+        return self.may_claim()
+
+    def _new_pass(self) -> None:
+        """Before the backend lists the due jobs anew."""
         waker = self.waker
         waker.clear()
         waker.check()
         with self._lock:
             self._finished_since_scan = 0
-        self._busy_this_pass = 0
-        self._later_ns = None
         self._pass_claims = 0
         # Jobs inherit stdin, stdout and stderr only: whatever else is
         # open without close-on-exec (from whoever started us, or
         # watchdog's inotify descriptor) is closed in every job's
         # process. Looked up once a pass, not once a job.
         self._spawn_closes = inheritable_fds()
-        self._pick_up()
-        self.passed_over.new_pass()
-        scan = self.store.scan(time.time_ns(), self.tuning.scan_limit)
-        self._next_due = scan.next_due_ns
-        self.log.line(f"worker={self.wid} scan due={len(scan.due)}", 2)
-        return self.passed_over.unknown(scan.due) if self.passed_over.before else scan.due
 
-    def prepare(self, entry: Entry) -> Claimed | None:
-        """The store's prepare of a due entry (locked, read, validated), or
-        None; a handler job of a kind this worker has no handler for is let
-        go at once, before any attempt counts (see PassedOver)."""
-        if self.passed_over.known(entry):
-            return None
-        ready = self.store.prepare(entry, time.time_ns(), self.on_quarantine, self.on_busy, self.on_later)
-        if ready is not None:
-            kind = ready.job.get("kind")
-            if kind is not None and kind not in self.handlers:
-                self.store.release(ready)
-                self.passed_over.add(entry, kind)
-                return None
-        return ready
-
-    def _pick_up(self) -> None:
-        """Take in a batch of what members dropped (shared spools), before
-        the scan that then finds those jobs."""
-        self._pickup_more = False
-        try:
-            report = self.store.pickup(self._pickup_line)
-        except Exception as e:  # the dropped files stay where they are, for the next pass
-            said = f"{type(e).__name__}: {e}"
-            if said not in self._pickup_failures and len(self._pickup_failures) < 100:
-                self._pickup_failures.add(said)
-                self.log.line(f"worker={self.wid} pickup failed: {said} (the files stay in drop/; told once per run)", 0)
-            return
-        self._pickup_more = report.more
-        if report.later_ns is not None and (self._later_ns is None or report.later_ns < self._later_ns):
-            self._later_ns = report.later_ns
-        if report.picked or report.dead or report.answered:
-            self.log.line(f"worker={self.wid} picked up {report.picked} jobs from drop/, moved {report.dead} "
-                          f"to dead/, answered {report.answered} requests", 2)
-
-    def _pickup_line(self, text: str, level: int, severity: int | None) -> None:
-        self.log.line(f"worker={self.wid} {text}", level, severity)
-
-    def _claim(self, entry: Entry) -> Claimed | None:
-        if self.passed_over and self.passed_over.known(entry):
-            return None  # (the look-ahead may have passed over it to the next job)
-        try:
-            hit, claimed = self.strategy.claim_ahead(entry)  # prepared while the last job ran
-            if not hit:
-                claimed = self.prepare(entry)
-                if claimed is not None:
-                    claimed = self.store.take(claimed, time.time_ns(), self.on_quarantine)
-        except Exception as e:  # a claim never takes the worker down; the file stays put
-            self.log.line(f"worker={self.wid} {named(entry.name)} cannot claim it from {entry.state}/: {type(e).__name__}: {e}", 0)
-            return None
-        return claimed
-
-    def _maybe_compact(self) -> None:
-        """Fold done/ into the index when it holds more than compact_after
-        files. done/ is counted at most every COMPACT_CHECK_JOBS finished jobs
-        or COMPACT_CHECK_SECONDS, so the check costs nothing per job."""
-        limit = int(self.settings["compact_after"])
-        if limit <= 0 or self.compact is None:
-            return
-        now = time.monotonic()
-        if self.ran < self._next_compact_ran and now < self._next_compact_time:
-            return
-        self._next_compact_ran = self.ran + max(1, min(COMPACT_CHECK_JOBS, limit // 10))
-        self._next_compact_time = now + COMPACT_CHECK_SECONDS
-        try:
-            if self.store.count_done() <= limit:
-                return
-            self.commit.commit()
-            result = self.compact()
-        except Exception as e:  # the index is history: never stop the worker for it
-            self.log.line(f"worker={self.wid} compaction failed: {e}", 0)
-            return
-        self.log.line(f"worker={self.wid} compacted {result['folded']} jobs into index.db in {result['seconds']}s", 1)
-
-    def _sleep_for(self, next_due: int | None, later: int | None = None) -> float | None:
+    def _sleep_for(self, next_due: float | None, later: float | None = None) -> float | None:
         """How long the dispatcher may sleep: until the next due time (watch
-        mode) or the end of a writer's grace (a drain waits for that too,
-        so the file runs or goes to dead/ before it ends)."""
+        mode) or the time a job left waiting is to be looked at again (a
+        drain waits for that too, so the job runs or is given up on before
+        it ends)."""
         timeout = self.waker.rescan_interval if self.watch else None
         if not self.watch:
             next_due = None
         if later is not None and (next_due is None or later < next_due):
             next_due = later
         if next_due is not None:
-            until_due = max(0.0, next_due / 1e9 - time.time()) + 0.001
+            until_due = max(0.0, next_due - time.time()) + 0.001
             timeout = until_due if timeout is None else min(timeout, until_due)
         if self._deadline is not None:
             left = max(0.0, self._deadline - time.monotonic())
             timeout = left if timeout is None else min(timeout, left)
         return timeout
 
-    def on_busy(self) -> None:
-        self._busy_this_pass += 1
-
-    def on_later(self, name: str, when_ns: int) -> None:
-        if self._later_ns is None or when_ns < self._later_ns:
-            self._later_ns = when_ns
-        if (name, when_ns) in self._later_logged:
-            return
-        if len(self._later_logged) > 1000:
-            self._later_logged.clear()
-        self._later_logged.add((name, when_ns))
-        wait = max(0.0, when_ns / 1e9 - time.time())
-        self.log.line(f"worker={self.wid} {named(name)} not a whole job yet and changed less than "
-                      f"{WRITER_GRACE:g}s ago: left in new/ for its writer to finish, looked at again "
-                      f"in {wait:.1f}s (a file written in tmp/ and renamed into new/ never waits)", 1)
-
-    def on_quarantine(self, name: str, reason: str) -> None:
-        self.log.line(f"worker={self.wid} {named(name)} outcome=dead state=dead error={quoted(reason)}", 0)
-
     # -- one job -----------------------------------------------------------
 
-    def execute(self, claimed: Claimed) -> None:
+    def execute(self, claimed: Claim) -> None:
         """Run a claimed job and record its outcome (by the strategy)."""
         try:
             self._run_one(claimed)
@@ -776,7 +536,7 @@ class Worker:
             return limits
         return Limits(float(timeout), limits.grace, limits.output_limit)
 
-    def _run_one(self, claimed: Claimed) -> None:
+    def _run_one(self, claimed: Claim) -> None:
         job = claimed.job
         job_id = claimed.job_id
         reg = self.registration
@@ -812,7 +572,7 @@ class Worker:
                 self._running.pop(thread_id, None)
         self.strategy.finished(claimed, out, inline)
 
-    def _spawn(self, claimed: Claimed, limits: Limits, handle: RunHandle) -> Outcome:
+    def _spawn(self, claimed: Claim, limits: Limits, handle: RunHandle) -> Outcome:
         """Run a job in a process of its own: a forked handler, or a
         command. The one place that builds the runner's arguments."""
         job, job_id = claimed.job, claimed.job_id
@@ -840,7 +600,7 @@ class Worker:
         except KeyError:  # the owner's password entry went away since the claim checked it
             now = time.time()
             return Outcome(start=now, end=now, error=f"cannot start: uid {job['run_as']} has no entry in the password database")
-        plan.env = job_env(self._base_env, job, claimed.attempt, self.store.root, self.registration.worker_id, plan.user)
+        plan.env = job_env(self._base_env, job, claimed.attempt, self.backend.location, self.registration.worker_id, plan.user)
         plan.close = self._spawn_closes
         for name, value in strategy.process_options().items():
             setattr(plan, name, value)

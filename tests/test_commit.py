@@ -9,9 +9,10 @@ import time
 from dataclasses import dataclass
 
 from spoolq import Spool
-from spoolq.commit import GroupCommit
+from spoolq.backend import Finished
+from spoolq.dirspool.backend import DirBackend
+from spoolq.dirspool.commit import GroupCommit
 from spoolq.record import Outcome
-from spoolq.dirspool.backend import DirStore
 
 
 @dataclass
@@ -61,23 +62,39 @@ class FakeStore:
     def release(self, claimed):
         self.events.append(("release", claimed.job_id))
 
+    def is_staged(self, claimed):
+        return True
+
+
+class Hooks:
+    def __init__(self, told, failures, moved, store):
+        self.told, self.failures, self.moved, self.store = told, failures, moved, store
+
+    def left(self, claim, completed):
+        self.moved.append(claim.job_id)
+
+    def forget(self, job_id):
+        pass
+
+    def durable(self, finished, out):
+        self.told.append(("told", finished.claim.job_id, finished.state))
+        self.store.events.append(("told", finished.claim.job_id))
+
+    def failed(self, job_id, why, where):
+        self.failures.append((job_id, why, where))
+
 
 def make(store, stage_max: int = 64):
     told: list[tuple] = []
     failures: list[tuple] = []
     moved: list[str] = []
 
-    def on_durable(job, out, attempt, dest, due):
-        told.append(("told", job["id"], dest))
-        store.events.append(("told", job["id"]))
-
-    commit = GroupCommit(store, stage_max, 0.05, lambda claimed, completed: moved.append(claimed.job_id), on_durable,
-                         lambda job_id, why, where: failures.append((job_id, why, where)))
+    commit = GroupCommit(store, stage_max, 0.05, Hooks(told, failures, moved, store))
     return commit, told, failures, moved
 
 
 def finished(job_id: str, dest: str = "done"):
-    return (FakeClaim(job_id), Outcome(start=1.0, end=1.001), 1, dest, None)
+    return (Finished(dest, claim=FakeClaim(job_id)), Outcome(start=1.0, end=1.001))
 
 
 def test_an_outcome_is_told_only_after_the_sync_that_covers_it():
@@ -171,33 +188,37 @@ def test_on_a_real_spool_a_told_outcome_is_in_done(tmp_path):
     spool.init()
     spool.config_set("fsync", True)
     ids = spool.enqueue_many([{"kind": "noop"}] * 5)
-    store = DirStore(spool.context())
-    store.open()
+    backend = DirBackend(spool.context())
+    backend.open()
+    registration = backend.register(["noop"])  # (the kinds it runs: a claim passes over the others)
     told: list[str] = []
 
-    def on_durable(job, out, attempt, dest, due):
-        assert (tmp_path / "q" / "done" / f"{job['id']}.json").exists()
-        told.append(job["id"])
+    class Told(Hooks):
+        def durable(self, finished, out):
+            job_id = finished.claim.job_id
+            assert (tmp_path / "q" / "done" / f"{job_id}.json").exists()
+            told.append(job_id)
 
-    commit = GroupCommit(store, 64, 0.05, lambda claimed, completed: None, on_durable,
-                         lambda job_id, why, where: (_ for _ in ()).throw(AssertionError(why)))
-    for entry in store.scan(time.time_ns(), 100).due:
-        claimed = store.take(store.prepare(entry, time.time_ns(), None, None, None), time.time_ns(), None)
+    commit = GroupCommit(backend, 64, 0.05, Told([], [], [], None))
+    while (claim := backend.claim_next()) is not None:
         now = time.time()
         out = Outcome(start=now, end=now)
-        dest, due, staged = store.finish(claimed, out, "test-worker")
-        item = (claimed, out, claimed.attempt - 1, dest, due)
-        commit.staged(item) if staged else commit.moved(item)
+        commit.add(backend.finish(claim, out, "test-worker"), out)
     assert told == []
     commit.commit()
     assert sorted(told) == sorted(ids)
     assert len(list((tmp_path / "q" / "done").iterdir())) == 5
+    registration.close()
+    backend.close()
 
 
-def test_the_directory_store_has_every_operation_of_the_store_interface():
-    """The worker depends on store.Store only; DirStore is the spool directory's implementation of it."""
-    from spoolq.dirspool.backend import Store
+def test_the_directory_backend_has_every_verb_of_the_port():
+    """The worker, the facade and the read side depend on backend.Backend
+    only; DirBackend is the spool directory's implementation of it."""
+    from spoolq.backend import Backend
 
-    wanted = {name for name in vars(Store) if not name.startswith("_")} | set(Store.__annotations__)
-    missing = {name for name in wanted if not hasattr(DirStore, name) and name not in ("settings", "root")}
+    wanted = {name for name in vars(Backend) if not name.startswith("_")} | set(Backend.__annotations__)
+    facade = {"exists", "init", "config_set", "config_unset", "config_list", "enqueue", "has_id", "get", "list", "counts",
+              "live_workers", "stats", "metrics", "cancel", "retry", "retry_all", "compact", "purge_dead", "sweep"}
+    missing = {name for name in wanted - facade if not hasattr(DirBackend, name) and name not in ("settings", "location", "log")}
     assert missing == set()

@@ -23,10 +23,11 @@ LAYERS = [
     ["config", "dirspool.protocol"],
     ["output", "waker"],
     ["backend", "dirspool.registry", "runner", "dirspool.watcher"],  # backend: the storage port every spool implements
-    ["forkserver", "dirspool.index", "dirspool.transitions"],
+    ["dirspool.commit", "forkserver", "dirspool.index", "dirspool.transitions"],
     ["dirspool.compact", "dirspool.pickup", "dirspool.recovery"],
-    ["dirspool.backend"],  # the narrow storage interface the worker uses, and the directory's
-    ["commit", "outcomes", "strategies"],  # group commit; recording outcomes; -j 1 and -j N
+    ["dirspool.passes"],  # the directory spool's walk over its due jobs
+    ["dirspool.backend"],  # the port over a spool directory
+    ["outcomes", "strategies"],  # recording outcomes; -j 1 and -j N
     ["worker"],
     ["pool"],
     ["views"],  # the read side of Spool: records, listings, counts

@@ -1,180 +1,184 @@
-"""The storage a worker runs jobs from: ``Store``, the narrow interface the
-worker loop and its group commit use, and ``DirStore``, the spool
-directory's implementation of it.
+"""``DirBackend``: the storage port (backend.Backend) over a spool
+directory -- what the worker loop asks of it: register, recover, claim the
+next job (the passes, read-ahead and -j 1 look-ahead are passes.py's),
+finish, commit (commit.py's group commit), housekeeping (automatic
+compaction).
 
-The worker sees jobs only through these operations: list the due ones,
-claim one (prepare it, then take it), record a run's outcome (finish it,
-staged or at once; complete a staged one; put a never-started one back),
-make outcomes durable (sync staged records, sync the deferred moves), and
-keep its registration (the runs it has under way, for recovery). What a
-claim holds is opaque to the worker: it reads the job, its id and its
-attempt, and hands the claim back to the store for everything else. Another
-kind of spool (a database table) implements the same operations.
+The moves are transitions.py's, the files and syncs protocol.py's.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
+import time
+from typing import Any, Callable
 
-from . import recovery, transitions
-from .pickup import Pickup, PickupReport
-from .protocol import Entry, Scan
+from .. import procs
+from ..backend import Claim, CommitHooks, Finished, Look, Report
 from ..record import Outcome
-from .registry import Registration, read_passed, write_passed, write_unhandled
 from ..waker import Waker
+from . import recovery, transitions
+from .commit import COMMIT_JOBS, GroupCommit
+from .passes import Pass
+from .registry import Registration
 from .watcher import make_waker
 
-Claimed = transitions.Claimed
-WRITER_GRACE = transitions.WRITER_GRACE  # how long a file cut short in new/ is left for its writer (see on_later)
-OnQuarantine = Callable[[str, str], None]
-OnBusy = Callable[[], None]
-OnLater = Callable[[str, int], None]
-_NOTHING = PickupReport()
+SCAN_LIMIT = 200_000  # due entries kept per pass (see Pass; Tuning.scan_limit)
+COMPACT_CHECK_JOBS = 1000  # count done/ for auto-compaction after this many jobs ...
+COMPACT_CHECK_SECONDS = 60.0  # ... or this long
 
 
-class Store(Protocol):
-    """What the worker loop needs of a spool."""
-
-    settings: Any  # the shared config.Settings (reloaded in place on SIGHUP)
-    root: str  # where the spool is, for a job's environment (SPOOLQ_SPOOL)
-    durable: bool  # whether outcomes wait for a sync before they are logged (fsync on)
-
-    def open(self) -> None: ...
-    def register(self, kinds: list[str]) -> Registration: ...
-    def note_unhandled(self, worker_id: str, kinds: list[str], waiting: dict[str, int]) -> None: ...
-    def passed_over(self) -> dict[tuple[str, str, int], str]: ...
-    def note_passed(self, passed: dict[tuple[str, str, int], str]) -> None: ...
-    def waker(self, poll: float | None, log: Any) -> Waker: ...
-    def recover(self) -> tuple[recovery.RecoveryReport, int]: ...
-    def pickup(self, log: Callable[[str, int, Any], None]) -> PickupReport: ...
-    def scan(self, now_ns: int, limit: int) -> Scan: ...
-    def prefetch(self, entries: list[Entry]) -> None: ...
-    def slow_reads(self) -> int: ...
-    def count_workers(self) -> int: ...
-    def count_done(self) -> int: ...
-    def prepare(self, entry: Entry, now_ns: int, on_quarantine: OnQuarantine, on_busy: OnBusy,
-                on_later: OnLater) -> Claimed | None: ...
-    def take(self, ready: Claimed, now_ns: int, on_quarantine: OnQuarantine) -> Claimed | None: ...
-    def release(self, claimed: Claimed) -> None: ...
-    def where(self, claimed: Claimed) -> str: ...
-    def finish(self, claimed: Claimed, out: Outcome, worker_id: str) -> tuple[str, float | None, bool]: ...
-    def unclaim(self, claimed: Claimed) -> str: ...
-    def sync_staged(self, staged: list[Claimed]) -> None: ...
-    def complete(self, claimed: Claimed, dest: str, due: float | None) -> None: ...
-    def drop_staged(self, claimed: Claimed) -> None: ...
-    def has_deferred(self) -> bool: ...
-    def unsynced_since(self) -> float: ...
-    def sync_deferred(self) -> None: ...
-    def close(self) -> None: ...
+def _quiet(text: str, level: int = 0, severity: int | None = None) -> None:
+    pass
 
 
-class DirStore:
-    """``Store`` over a spool directory: the moves are transitions.py's,
-    the files and syncs protocol.py's."""
+class DirBackend:
+    """The port over a spool directory (one per open spool)."""
 
-    def __init__(self, ctx: transitions.Context):
+    def __init__(self, ctx: transitions.Context, compact: Callable[[], dict[str, Any]] | None = None):
+        """``ctx``: the spool directory, its settings and trust; ``compact``:
+        folds done/ into the index (automatic compaction; None: never)."""
         self.ctx = ctx
         self.dir = ctx.spool
         self.settings = ctx.settings
-        self.root = ctx.spool.root
-        self._pickup: Pickup | None = None
+        self.location = ctx.spool.root
+        self.log = _quiet
+        self._compact = compact
+        self._kinds: list[str] = []
+        self._scan_limit = SCAN_LIMIT
+        self._reg: Registration | None = None
+        self._pass: Pass | None = None
+        self._finished = 0
+        self._next_compact_finished = 0
+        self._next_compact_time = 0.0
 
     @property
     def durable(self) -> bool:
         return self.dir.fsync  # (follows the settings on reload)
 
-    def open(self) -> None:
-        self.dir.open(create=True)
+    def open(self, create: bool = True) -> None:
+        self.dir.open(create=create)
 
-    def register(self, kinds: list[str]) -> Registration:
-        """This worker's registration, saying which handler kinds it runs."""
-        registration = Registration(self.dir, kinds=kinds)
+    def close(self) -> None:
+        if self._pass is not None:
+            self._pass.end()
+        self.dir.drop_spares()
+
+    # -- the worker --------------------------------------------------------------
+
+    def register(self, kinds: list[str], tuning: Any = None) -> Registration:
+        """This worker's registration (a file in workers/ under its lock),
+        saying which handler kinds it runs; claims pass over the others."""
+        self._kinds = list(kinds)
+        self._scan_limit = getattr(tuning, "scan_limit", SCAN_LIMIT)
+        registration = Registration(self.dir, kinds=self._kinds)
         registration.open()
+        registration.start_flusher()
+        self._reg = registration
         return registration
-
-    def note_unhandled(self, worker_id: str, kinds: list[str], waiting: dict[str, int]) -> None:
-        """Tell status, list and show which due handler jobs wait for a
-        worker with a handler (see registry.write_unhandled)."""
-        write_unhandled(self.dir, worker_id, kinds, waiting)
-
-    def passed_over(self) -> dict[tuple[str, str, int], str]:
-        """The due handler jobs the last worker left waiting for want of a
-        handler, by (folder, name, due time): their kinds."""
-        return read_passed(self.dir)
-
-    def note_passed(self, passed: dict[tuple[str, str, int], str]) -> None:
-        write_passed(self.dir, passed)
 
     def waker(self, poll: float | None, log: Any) -> Waker:
         """What wakes a watching worker when jobs arrive: the folder watcher (or polling)."""
         return make_waker(self.dir, poll=poll, log=log)
 
-    def recover(self) -> tuple[recovery.RecoveryReport, int]:
-        """Recover dead workers' jobs; returns the report and how many stale tmp/ files went."""
+    def recover(self) -> Report:
+        """Recover dead workers' jobs and remove stale tmp/ files."""
         report = recovery.recover(self.ctx)
-        removed = self.dir.remove_tmp()
+        report.tmp_removed = self.dir.remove_tmp()
         self.dir.remove_stale_spares()
         if self.dir.shared:
-            removed += self.dir.drops.remove_stale()
-        return report, removed
+            report.tmp_removed += self.dir.drops.remove_stale()
+        return report
 
-    def pickup(self, log: Callable[[str, int, Any], None]) -> PickupReport:
-        """Take in what members dropped (a shared spool's drop/), a batch
-        per call; nothing to do in a private spool."""
-        if not self.dir.shared:
-            return _NOTHING
-        if self._pickup is None:
-            self._pickup = Pickup(self.ctx, log)
-        return self._pickup.run()
+    def _walk(self) -> Pass:
+        if self._pass is None:
+            worker_id = self._reg.worker_id if self._reg is not None else "-"
+            self._pass = Pass(self.ctx, self._kinds, worker_id, self._scan_limit, self.log)
+        return self._pass
 
-    def scan(self, now_ns: int, limit: int) -> Scan:
-        return self.dir.scan(now_ns, limit)
+    def claim_next(self, now: float | None = None) -> Claim | None:
+        """The next due job of the pass, now this worker's; None once the
+        pass is used up (the next call begins a new one)."""
+        claimed = self._walk().claim_next()
+        if claimed is None:
+            return None
+        return Claim(claimed.job, claimed.job_id, claimed.attempt, claimed.due_ns / 1e9, claimed)
 
-    def prefetch(self, entries: list[Entry]) -> None:
-        self.dir.prefetch(entries)
+    def next_look(self) -> Look:
+        return self._walk().look()
 
-    def slow_reads(self) -> int:
-        return self.dir.slow_reads
+    def look_ahead(self) -> None:
+        self._walk().look_ahead()
+
+    def drop_ahead(self) -> None:
+        if self._pass is not None:
+            self._pass.drop_ahead()
+
+    def release(self, claim: Claim) -> None:
+        claim.held.held.release()
+
+    def unclaim(self, claim: Claim) -> str:
+        return transitions.unclaim(claim.held)
+
+    def where(self, claim: Claim) -> str:
+        return claim.held.held.folder
+
+    def finish(self, claim: Claim, outcome: Outcome, worker_id: str) -> Finished:
+        """Record the outcome. With fsync on the new record is staged beside
+        the job in cur/ (moved on by the group commit) or, with no spare to
+        stage into, the job moves at once with its folders' sync deferred:
+        pending either way until the commit."""
+        defer = self.dir.fsync
+        dest, due = transitions.finish(self.ctx, claim.held, outcome, worker_id, defer_sync=defer, stage=defer)
+        self._finished += 1
+        return Finished(dest, due, pending=defer, claim=claim)
+
+    def committer(self, hooks: CommitHooks, seconds: float) -> GroupCommit:
+        # Each staged job holds two descriptors; a commit comes once a
+        # sixteenth of the open-file limit are synced, or twice that staged,
+        # so at most ~a quarter of the limit is theirs.
+        return GroupCommit(self, max(1, min(COMMIT_JOBS, procs.open_file_limit() // 16)), seconds, hooks)
+
+    def commit(self, finished: list[Finished] | None = None) -> None:
+        self.dir.sync_deferred()
+
+    def housekeeping(self, settle: Callable[[], None]) -> None:
+        """Fold done/ into the index when it holds more than compact_after
+        files. done/ is counted at most every COMPACT_CHECK_JOBS finishes
+        or COMPACT_CHECK_SECONDS, so the check costs nothing per job."""
+        limit = int(self.settings["compact_after"])
+        if limit <= 0 or self._compact is None:
+            return
+        now = time.monotonic()
+        if self._finished < self._next_compact_finished and now < self._next_compact_time:
+            return
+        self._next_compact_finished = self._finished + max(1, min(COMPACT_CHECK_JOBS, limit // 10))
+        self._next_compact_time = now + COMPACT_CHECK_SECONDS
+        try:
+            if self.dir.count("done") <= limit:
+                return
+            settle()
+            result = self._compact()
+        except Exception as e:  # the index is history: never stop the worker for it
+            self.log(f"compaction failed: {e}", 0, None)
+            return
+        self.log(f"compacted {result['folded']} jobs into index.db in {result['seconds']}s", 1, None)
 
     def count_workers(self) -> int:
         return self.dir.count("workers")
 
-    def count_done(self) -> int:
-        return self.dir.count("done")
+    # -- the group commit's syncs and moves (commit.py) ----------------------------
 
-    def prepare(self, entry: Entry, now_ns: int, on_quarantine: OnQuarantine, on_busy: OnBusy,
-                on_later: OnLater) -> Claimed | None:
-        return transitions.prepare(self.ctx, entry, now_ns, on_quarantine, on_busy, on_later)
+    def is_staged(self, claim: Claim) -> bool:
+        return claim.held.held.staged is not None
 
-    def take(self, ready: Claimed, now_ns: int, on_quarantine: OnQuarantine) -> Claimed | None:
-        return transitions.take(ready, now_ns, on_quarantine)
+    def sync_staged(self, staged: list[Claim]) -> None:
+        self.dir.sync_data([claim.held.held.staged[1] for claim in staged])
 
-    def release(self, claimed: Claimed) -> None:
-        claimed.held.release()
+    def complete(self, claim: Claim, dest: str, due: float | None) -> None:
+        transitions.complete(claim.held.held, dest, due)
 
-    def where(self, claimed: Claimed) -> str:
-        return claimed.held.folder
-
-    def finish(self, claimed: Claimed, out: Outcome, worker_id: str) -> tuple[str, float | None, bool]:
-        """Record the outcome; returns (state, due time, staged). Staged
-        (fsync on): the new record waits beside the job in cur/ for
-        sync_staged and complete; else the job has moved on, its folders'
-        sync deferred when fsync is on."""
-        defer = self.dir.fsync
-        dest, due = transitions.finish(self.ctx, claimed, out, worker_id, defer_sync=defer, stage=defer)
-        return dest, due, claimed.held.staged is not None
-
-    def unclaim(self, claimed: Claimed) -> str:
-        return transitions.unclaim(claimed)
-
-    def sync_staged(self, staged: list[Claimed]) -> None:
-        self.dir.sync_data([claimed.held.staged[1] for claimed in staged])
-
-    def complete(self, claimed: Claimed, dest: str, due: float | None) -> None:
-        transitions.complete(claimed.held, dest, due)
-
-    def drop_staged(self, claimed: Claimed) -> None:
-        claimed.held.drop_staged()
+    def drop_staged(self, claim: Claim) -> None:
+        claim.held.held.drop_staged()
 
     def has_deferred(self) -> bool:
         return self.dir.has_deferred
@@ -184,6 +188,3 @@ class DirStore:
 
     def sync_deferred(self) -> None:
         self.dir.sync_deferred()
-
-    def close(self) -> None:
-        self.dir.drop_spares()

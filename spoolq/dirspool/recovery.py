@@ -11,27 +11,17 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
 
 from .. import procs, record
 from . import registry
 from .protocol import Busy, Gone, Held, NotRegular, file_name, id_of, staged_intact
+from ..backend import Report
 from ..record import InvalidJob, Outcome
 from .transitions import Claimed, Context, backoff, check, finish, quarantine, write_and_move
 
 
-@dataclass
-class RecoveryReport:
-    recovered: int = 0  # jobs returned to failed/
-    dead: int = 0  # jobs out of attempts, moved to dead/
-    completed: int = 0  # runs that had finished but not moved on
-    quarantined: int = 0
-    killed: int = 0  # leftover processes killed
-    left_running: int = 0  # jobs left in cur/: their runs' processes live on, not ours to kill
-    workers: int = 0  # dead worker registrations cleared
-    tmp_removed: int = 0  # stale tmp/ files removed (sweep)
-    picked_up: int = 0  # jobs taken in from drop/ (sweep of a shared spool)
-    dropped_dead: int = 0  # entries of drop/ moved to dead/ (sweep of a shared spool)
+RecoveryReport = Report  # what a recovery did: the port's report
+
 
 
 def recover(ctx: Context) -> RecoveryReport:

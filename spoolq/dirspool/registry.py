@@ -128,6 +128,21 @@ class Registration:
             if self.jobs.pop(job_id, None) is not None:
                 self._dirty = True
 
+    # The port's names (backend.WorkerReg).
+
+    def note_run(self, job_id: str, attempt: int, pgid: int | None = None,
+                 window: tuple[int, int] | None = None) -> None:
+        if pgid is None:
+            self.job_started(job_id, attempt)
+        else:
+            self.job_spawned(job_id, pgid, window or (0, 0))
+
+    def ensure_noted(self, job_id: str) -> None:
+        self.ensure_listed(job_id)
+
+    def end_run(self, job_id: str) -> None:
+        self.job_ended(job_id)
+
     def flush(self) -> None:
         """Write pending changes."""
         with self._lock:

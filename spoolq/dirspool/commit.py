@@ -1,18 +1,20 @@
-"""Group commit: finished jobs are made durable many at a time, and each
-outcome is logged only once it is durable.
+"""Group commit, the directory spool's way from pending to durable:
+finished jobs are made durable many at a time, and each outcome is told
+only once it is durable (``GroupCommit`` is the port's ``Commit``).
 
 With fsync on, a finished job passes through these stages, all owned here:
-its new record is *staged* beside it in cur/ (``Store.finish``), made
+its new record is *staged* beside it in cur/ (``DirBackend.finish``), made
 durable by one data sync for many jobs (*synced*), swapped in and moved on
-(``Store.complete``), then its folders' sync (``Store.sync_deferred``)
-makes the move durable, and only then is its outcome *logged*. A job
+(``DirBackend.complete``), then its folders' sync (``sync_deferred``)
+makes the move durable, and only then is its outcome *told*. A job
 finished without staging (no spare file to stage into) joins at the last
 two steps. With fsync off nothing waits: an outcome is logged as the job
 moves. A sync that fails leaves the jobs it covers in cur/ for recovery and
 tells the worker to claim no more.
 
-The worker hands finished jobs in (``staged``, ``moved``); the dispatcher
-commits when ``full()`` or before it waits; a committer thread (``run``)
+The worker hands finished jobs in (``add``); the dispatcher commits when
+``full()`` or before it waits; a -j 1 worker moves a few synced jobs on
+beside each job's run (``beside_run``); a committer thread (``run``)
 commits what has waited the commit interval, even while a long job runs.
 """
 
@@ -23,65 +25,76 @@ import threading
 import time
 from typing import Any, Callable
 
-from .errors import ForcedStop
-from .record import Outcome
-from .dirspool.backend import Claimed, Store
+from ..backend import CommitHooks, Finished
+from ..errors import ForcedStop
+from ..record import Outcome
 
 COMMIT_JOBS = 64  # at most this many finished jobs share one folder fsync ...
 COMMIT_SECONDS = 0.05  # ... and none waits longer than this for it
 
-# A finished job on its way: the claim, its outcome, the attempt it was,
-# where it goes and when it is due again (failed/).
-Finished = tuple[Claimed, Outcome, int, str, "float | None"]
+COMPLETE_PER_JOB = 2  # synced jobs moved on beside each job's run (see beside_run)
+
+# A finished job on its way: what its finish did, and the run's outcome.
+Item = tuple[Finished, Outcome]
 
 
 class GroupCommit:
     """The staged, synced and moved-but-unsynced finished jobs of one
     worker, and the syncs that make them durable."""
 
-    def __init__(self, store: Store, stage_max: int, commit_seconds: float,
-                 on_moved: Callable[[Claimed, bool], None],
-                 on_durable: Callable[[dict, Outcome, int, str, "float | None"], None],
-                 on_failure: Callable[[str | None, str, str], None]):
-        """``stage_max``: how many synced jobs may wait to be moved on
-        (each holds two descriptors); ``on_moved(claimed, completed)``: a
-        job has left cur/ (``completed``: by this object, from the synced
-        list); ``on_durable(job, out, attempt, dest, due)``: its outcome
-        may be told; ``on_failure(job_id, why, where)``: a job (or, with
-        job_id None, a sync) cannot be recorded: the worker stops claiming."""
+    def __init__(self, store: Any, stage_max: int, commit_seconds: float, hooks: CommitHooks):
+        """``store``: the directory backend's syncs and moves (``sync_staged``,
+        ``complete``, ``drop_staged``, ``release``, ``sync_deferred`` ...);
+        ``stage_max``: how many synced jobs may wait to be moved on (each
+        holds two descriptors); ``hooks``: the worker's ears (a job left
+        cur/, its outcome may be told, a job or a sync cannot be recorded)."""
         self.store = store
         self.stage_max = stage_max
         self.commit_seconds = commit_seconds
-        self.on_moved = on_moved
-        self.on_durable = on_durable
-        self.on_failure = on_failure
+        self.hooks = hooks
         self._lock = threading.Lock()  # the lists only: held for no system call
         self._commit_lock = threading.Lock()  # one commit at a time (held across its syncs)
-        self._staged: list[Finished] = []
+        self._staged: list[Item] = []
         self._staged_since = 0.0
-        self._synced: collections.deque = collections.deque()  # (when staged, Finished), to move on
-        self._moved: list[tuple[dict, Outcome, int, str, float | None]] = []  # moved, its folder sync pending
+        self._synced: collections.deque = collections.deque()  # (when staged, Item), to move on
+        self._moved: list[Item] = []  # moved, its folder sync pending
         self.sync_wanted = threading.Event()  # asks the committer thread to sync the staged records
 
     # -- jobs coming in ------------------------------------------------------
 
-    def staged(self, item: Finished) -> None:
+    def add(self, finished: Finished, out: Outcome) -> None:
+        """A finished job: staged beside its file in cur/ (moved on by a
+        later commit), or moved already."""
+        item = (finished, out)
+        if finished.claim is not None and self.store.is_staged(finished.claim):
+            # A success or a dead end lets its registration entry go now, or
+            # every registration save would carry the staged jobs too:
+            # recovery knows those records by their state. A failed run keeps
+            # it until the move: its record swapped in but not moved on looks
+            # like the one it replaced, and the entry tells recovery which
+            # run it was.
+            if finished.state != "failed":
+                self.hooks.forget(finished.claim.job_id)
+            self.staged(item)
+            return
+        self.moved(item)
+
+    def staged(self, item: Item) -> None:
         """A finished job whose new record is staged beside it in cur/."""
         with self._lock:
             if not self._staged:
                 self._staged_since = time.monotonic()
             self._staged.append(item)
 
-    def moved(self, item: Finished, completed: bool = False) -> None:
-        """A finished job has left cur/: log it now (fsync off) or once
+    def moved(self, item: Item, completed: bool = False) -> None:
+        """A finished job has left cur/: tell it now (fsync off) or once
         the next commit has synced its folders."""
-        claimed, out, attempt, dest, due = item
-        self.on_moved(claimed, completed)
+        self.hooks.left(item[0].claim, completed)
         if self.store.durable:
             with self._lock:  # not the commit lock: a slot never waits for an fsync here
-                self._moved.append((claimed.job, out, attempt, dest, due))
+                self._moved.append(item)
         else:
-            self.on_durable(claimed.job, out, attempt, dest, due)
+            self.hooks.durable(*item)
 
     def full(self, staged_factor: int = 1) -> bool:
         """Whether enough waits that the dispatcher commits before its next claim."""
@@ -91,6 +104,16 @@ class GroupCommit:
     def busy(self) -> bool:
         """Whether any finished job is staged or synced (waits to be moved on)."""
         return bool(self._staged or self._synced)
+
+    def beside_run(self) -> None:
+        """While a job's process starts up and runs, move a few synced jobs
+        on and ask for the next sync: that work then costs no time of its
+        own. The sync is the committer thread's: it blocks without using a
+        CPU. The moves are the dispatcher's, a few per job: in the committer
+        they would take Python's lock from it at each of their many calls."""
+        if self.busy():
+            self.complete_synced(COMPLETE_PER_JOB)
+            self.want_sync()
 
     # -- commits -------------------------------------------------------------
 
@@ -112,10 +135,10 @@ class GroupCommit:
             try:
                 self.store.sync_deferred()
             except OSError as e:
-                self.on_failure(None, f"cannot sync finished jobs: {e}", "")
+                self.hooks.failed(None, f"cannot sync finished jobs: {e}", "")
                 return
         for item in pending:
-            self.on_durable(*item)
+            self.hooks.durable(*item)
 
     def sync_staged(self) -> None:
         """Make the staged records durable, one sync for all of them; they
@@ -125,7 +148,7 @@ class GroupCommit:
         if not staged:
             return
         try:
-            self.store.sync_staged([item[0] for item in staged])
+            self.store.sync_staged([item[0].claim for item in staged])
         except BaseException as e:
             for item in staged:
                 self._cannot_record(item, f"cannot sync finished jobs: {type(e).__name__}: {e}")
@@ -144,9 +167,9 @@ class GroupCommit:
                 if not self._synced or time.monotonic() - self._synced[0][0] < older_than:
                     return
                 item = self._synced.popleft()[1]
-            claimed, _out, _attempt, dest, due = item
+            finished = item[0]
             try:
-                self.store.complete(claimed, dest, due)
+                self.store.complete(finished.claim, finished.state, finished.due)
             except BaseException as e:
                 self._cannot_record(item, f"cannot record the outcome: {type(e).__name__}: {e}")
                 if isinstance(e, (Exception, ForcedStop)):
@@ -155,13 +178,13 @@ class GroupCommit:
             self.moved(item, completed=True)
             done += 1
 
-    def _cannot_record(self, item: Finished, why: str) -> None:
+    def _cannot_record(self, item: Item, why: str) -> None:
         """A staged job that cannot be moved on stays in cur/ with its
         staged record, unlocked, for recovery to complete."""
-        claimed = item[0]
-        self.store.drop_staged(claimed)
-        self.store.release(claimed)
-        self.on_failure(claimed.job_id, why, "cur")
+        claim = item[0].claim
+        self.store.drop_staged(claim)
+        self.store.release(claim)
+        self.hooks.failed(claim.job_id, why, "cur")
 
     def want_sync(self) -> None:
         """Ask the committer thread for a sync of the staged records once
