@@ -218,8 +218,16 @@ def init(ctx, group):
 @click.option("--at", "at", metavar="TIME", help="Run at this time (RFC 3339 or epoch seconds).")
 @click.option("--env", "env", multiple=True, metavar="K=V", help="Add to the job's environment (repeatable).")
 @click.option("--cwd", metavar="DIR", help="Working directory of the run (default: the current directory).")
+@click.option("--priority", type=click.IntRange(-record.MAX_PRIORITY, record.MAX_PRIORITY),
+              help="Higher runs first among due jobs (default 0).")
+@click.option("--after", "after", metavar="ID[,ID...]", help="Start only once these jobs have succeeded.")
+@click.option("--unique", metavar="KEY", help="Add nothing while an unfinished job has this key (its id is printed).")
+@click.option("--lock", "lock", multiple=True, metavar="NAME",
+              help="Run while no other job holding NAME runs (repeatable; `lock_limits` raises the limit).")
+@click.option("--hold", "hold", is_flag=True, help="Enqueue it held: it runs once released (spoolq release).")
 @click.pass_context
-def enqueue(ctx, args, use_argv, kind, payload, job_json, jsonl, job_id, max_attempts, timeout, delay, at, env, cwd):
+def enqueue(ctx, args, use_argv, kind, payload, job_json, jsonl, job_id, max_attempts, timeout, delay, at, env, cwd,
+            priority, after, unique, lock, hold):
     """Enqueue a job and print its id.
 
     One argument is a shell command (run by /bin/sh); several are a
@@ -233,9 +241,11 @@ def enqueue(ctx, args, use_argv, kind, payload, job_json, jsonl, job_id, max_att
       spoolq enqueue --json '{"command": "true", "max_attempts": 3}'
       spoolq enqueue '{"command": "true"}'     (one JSON object: the same as --json)
       spoolq enqueue --jsonl jobs.jsonl
+      spoolq enqueue --after 0190a1b2 --priority 5 --lock db ./migrate.sh
     """
     args, use_argv, job_json = _command_form(args, use_argv, kind, job_json, jsonl)
     options = _job_options(ctx, payload, job_id, max_attempts, timeout, delay, at, env, cwd)
+    options.update(_order_options(priority, after, unique, lock, hold))
     spool = _existing(ctx)  # a mistyped path must not become a spool no worker reads
     if jsonl is not None:
         if job_id is not None:
@@ -252,8 +262,29 @@ def enqueue(ctx, args, use_argv, kind, payload, job_json, jsonl, job_id, max_att
         _print_ids(ids)
         return
     fields = _job_fields(args, use_argv, kind, job_json, options)
-    job_id = spool.enqueue_job(_cwd_here(fields))
+    job_id = spool.enqueue_job(_cwd_here(fields), on_existing=lambda holder: echo(
+        f"spoolq: job {holder} holds unique key {fields.get('unique')!r} and has not finished: nothing added",
+        err=True))
     _print_ids([job_id])
+
+
+def _order_options(priority, after, unique, lock, hold) -> dict[str, Any]:
+    """The fields of the options that decide when the job may run."""
+    options: dict[str, Any] = {}
+    if priority:
+        options["priority"] = priority
+    if after is not None:
+        ids = [word.strip() for word in after.split(",") if word.strip()]
+        if not ids:
+            fail(f"--after {after!r} names no job id", 2)
+        options["after"] = ids
+    if unique is not None:
+        options["unique"] = unique
+    if lock:
+        options["lock"] = list(lock) if len(lock) > 1 else lock[0]
+    if hold:
+        options["held"] = True
+    return options
 
 
 def _command_form(args, use_argv, kind, job_json, jsonl):
@@ -531,6 +562,8 @@ def _summary(job: dict[str, Any]) -> str:
         line += "  [purged into index.db]"
     if job.get("waits_for_handler"):
         line += f"  [{output.waits_for_handler(job)}]"
+    elif job.get("why"):
+        line += f"  [{job['why']}]"
     return one_line(line)
 
 
@@ -578,6 +611,37 @@ def cancel(ctx, job_id):
     except RequestPending as e:
         fail(str(e), PENDING)
     echo(f"cancelled {job_id}")
+
+
+@cli.command(name="hold")
+@click.argument("job_id", metavar="ID", shell_complete=_id_completer("new", "failed", "waiting"))
+@click.pass_context
+def hold_job(ctx, job_id):
+    """Hold a waiting job: it stays, never claimed, until released; ID may be the start of one."""
+    output.refuse_bad_ids((job_id,))
+    spool = _existing(ctx)
+    try:
+        job_id = spool.resolve(job_id, ("new", "failed", "waiting", "held"), ())
+        spool.hold(job_id)
+    except (JobNotFound, NotPossible) as e:
+        fail(str(e), 1)
+    echo(f"held {job_id}")
+
+
+@cli.command(name="release")
+@click.argument("job_id", metavar="ID", shell_complete=_id_completer("held"))
+@click.option("--now", is_flag=True, help="Due now (by default it keeps its due time).")
+@click.pass_context
+def release_job(ctx, job_id, now):
+    """Release a held job: waiting again as before (new, failed, or waiting for its dependencies)."""
+    output.refuse_bad_ids((job_id,))
+    spool = _existing(ctx)
+    try:
+        job_id = spool.resolve(job_id, ("held",), ())
+        state = spool.release(job_id, now=now)
+    except (JobNotFound, NotPossible) as e:
+        fail(str(e), 1)
+    echo(f"released {job_id} ({state})")
 
 
 def _note(message: str) -> None:

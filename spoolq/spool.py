@@ -35,6 +35,12 @@ from .views import Views
 REQUEST_WAIT = 10.0
 
 
+def _ordered(fields: Mapping[str, Any]) -> bool:
+    """Whether a job's fields put it anywhere but plainly in new/."""
+    return (fields.get("after") is not None or fields.get("unique") is not None or bool(fields.get("held"))
+            or bool(fields.get("priority")))
+
+
 class Spool(Views):
     """A spool directory: enqueue, inspect, cancel, retry and run jobs.
 
@@ -160,7 +166,7 @@ class Spool(Views):
         """The transition context (settings, trust, index look-ups)."""
         from .dirspool.transitions import Context  # imported here: start-up speed (transitions pulls in the runner and subprocess)
 
-        return Context(self.dir, self.settings, index_has=self._index_has)
+        return Context(self.dir, self.settings, index_has=self._index_has, index_get=self._history)
 
     def _open(self, create: bool = False) -> None:
         # The folders first: what is wrong with them (a loose mode, another
@@ -259,12 +265,19 @@ class Spool(Views):
         )
         return self.enqueue_job(fields)
 
-    def enqueue_job(self, fields: Mapping[str, Any]) -> str:
-        """Enqueue a whole job object (the form of a job file)."""
+    def enqueue_job(self, fields: Mapping[str, Any], on_existing: Callable[[str], None] | None = None) -> str:
+        """Enqueue a whole job object (the form of a job file). A job with
+        a ``unique`` key an unfinished job holds adds nothing: that job's id
+        is returned (and told to ``on_existing``)."""
         self._open(create=True)
         job_id, data, mtime_ns = self._prepare(fields, time.time())
         if fields.get("id") is not None:
             self._check_unique(job_id)
+        if _ordered(fields):
+            holder = self._enqueue_ordered(job_id, record.loads(data.decode("utf-8")), data, mtime_ns)
+            if holder is not None and on_existing is not None:
+                on_existing(holder)
+            return holder or job_id
         try:
             if self.dir.drops_in:  # a member: into drop/, for the owner's side to pick up
                 self.dir.drops.put([(file_name(job_id), data, mtime_ns)])
@@ -274,6 +287,53 @@ class Spool(Views):
             raise DuplicateId(f"id {job_id} is already in {DROP if self.dir.drops_in else 'new'}/") from None
         return job_id
 
+    def _enqueue_ordered(self, job_id: str, job: dict, data: bytes, mtime_ns: int | None) -> str | None:
+        """A job with dependencies, a unique key, a priority or held: see dirspool/waits.enqueue."""
+        from .dirspool import waits  # imported here: start-up speed (as in context())
+
+        if self.dir.drops_in:
+            raise NotPossible("a member of a shared spool enqueues no priority, dependency, unique key or held "
+                              "job (its drop is taken in plainly); ask the spool's owner")
+
+        def publish(folder: str) -> None:
+            try:
+                self.dir.publish(file_name(job_id), data, mtime_ns, folder=folder)
+            except Exists:
+                raise DuplicateId(f"id {job_id} is already in {folder}/") from None
+
+        return waits.enqueue(self.context(), self.order, job_id, job, publish, self._history)
+
+    @property
+    def order(self):
+        """The order/ folder's files (priorities, dependencies, unique keys, locks)."""
+        if getattr(self, "_order", None) is None:
+            from .dirspool.ordering import Order  # imported here: start-up speed
+
+            self._order = Order(self.dir)
+        return self._order
+
+    def _history(self, job_id: str) -> dict | None:
+        index = self.index(create=False)
+        return index.get(job_id) if index is not None else None
+
+    def hold(self, job_id: str) -> None:
+        """Hold a waiting job: it stays in the spool (held/) and is never
+        claimed until released. JobNotFound or NotPossible say why not."""
+        from .dirspool import waits  # imported here: start-up speed (as in context())
+
+        self._open()
+        self.dir.require_owner("hold jobs")
+        waits.hold(self.context(), job_id)
+
+    def release(self, job_id: str, now: bool = False) -> str:
+        """Release a held job: waiting again as before it was held (due when
+        it was, or ``now``). Returns the state it is in now."""
+        from .dirspool import waits  # imported here: start-up speed (as in context())
+
+        self._open()
+        self.dir.require_owner("release jobs")
+        return waits.release(self.context(), self.order, job_id, now, self._history)
+
     def enqueue_many(self, jobs: list[Mapping[str, Any]]) -> list[str]:
         """Enqueue many jobs with one sync for the lot (group commit).
 
@@ -282,6 +342,8 @@ class Spool(Views):
         the disk fail part way (or a duplicate id turn up at the last
         step), PartlyEnqueued says which jobs were enqueued."""
         self._open(create=True)
+        if any(isinstance(fields, Mapping) and _ordered(fields) for fields in jobs):
+            return self._enqueue_each(jobs)
         now = time.time()
         items = []
         seen: set[str] = set()
@@ -313,6 +375,27 @@ class Spool(Views):
             # that tries the whole batch again runs them twice.
             raise PartlyEnqueued(published, len(items), cause) from e
         return [id_of(n) for n in names]
+
+    def _enqueue_each(self, jobs: list[Mapping[str, Any]]) -> list[str]:
+        """A batch with ordering fields: every job checked first, then
+        enqueued one at a time (a dependency may name a job before it)."""
+        now = time.time()
+        for i, fields in enumerate(jobs):
+            if not isinstance(fields, Mapping):
+                raise InvalidJob(f"job {i + 1}: not a JSON object")
+            try:
+                self._prepare(fields, now)
+            except InvalidJob as e:
+                raise InvalidJob(f"job {i + 1}: {e}") from None
+        ids: list[str] = []
+        for i, fields in enumerate(jobs):
+            try:
+                ids.append(self.enqueue_job(fields))
+            except (InvalidJob, DuplicateId) as e:
+                if not ids:
+                    raise type(e)(f"job {i + 1}: {e}") from None
+                raise PartlyEnqueued(ids, len(jobs), f"job {i + 1}: {e}") from e
+        return ids
 
     # -- looking -----------------------------------------------------------
 
@@ -392,7 +475,11 @@ class Spool(Views):
             if self.dir.member:
                 self._ask({"request": "cancel", "id": job_id}, on_note, f"cancel {job_id}")
             else:
-                transitions.cancel(self.context(), job_id, on_note)
+                ctx = self.context()
+                transitions.cancel(ctx, job_id, on_note)
+                from .dirspool import waits  # imported here: start-up speed (as transitions)
+
+                waits.dependency_ended(ctx, self.order, job_id, "cancelled", self._history)
             return True
         except (transitions.JobNotFound, transitions.NotPossible):
             if check:

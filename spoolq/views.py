@@ -9,9 +9,10 @@ so these are ``Spool``'s own methods. It relies on what ``Spool`` gives:
 from __future__ import annotations
 
 import os
+import time
 from typing import Any, Callable, Iterator
 
-from . import record
+from . import config, record
 from .errors import InvalidJob, NotPossible, NotRegular
 from .owners import user_name
 from .dirspool.protocol import DROP, REPLY_SUFFIX, STATES, file_name, id_of, id_problem, listed_names
@@ -65,7 +66,36 @@ class Views:
             job["mtime"] = record.rfc3339(st.st_mtime)
             if state in ("new", "failed"):
                 job["due_at"] = record.rfc3339(st.st_mtime)
+        if state in ("new", "failed", "held", "waiting") and job.get("valid") is not False:
+            why = self._why(job, state, st)
+            if why:
+                job["why"] = why
         return job
+
+    def _why(self, job: dict[str, Any], state: str, st: os.stat_result | None) -> str | None:
+        """Why a waiting job is not running (None: nothing keeps it but a free worker)."""
+        from .dirspool.ordering import holders, outcome_state  # imported here: start-up speed
+
+        if state == "held":
+            return f"held (spoolq release {job['id']})"
+        try:
+            if state == "waiting":
+                deps = [d for d in record.after_of(job)
+                        if outcome_state(self.dir, self._history_of, d) == "unfinished"]
+                return f"waiting for job {', '.join(deps)}" if deps else "its dependencies have finished: released soon"
+            if st is not None and st.st_mtime > time.time():
+                return f"not due until {record.rfc3339(st.st_mtime)}"
+            for name in record.locks_of(job):
+                taken = holders(self.order, name)
+                if len(taken) >= config.lock_limit(self.settings, name):
+                    return f"lock {name} held by job {', '.join(taken)}"
+        except (InvalidJob, TypeError, AttributeError):
+            return None
+        return None
+
+    def _history_of(self, job_id: str) -> dict[str, Any] | None:
+        index = self.index()
+        return index.get(job_id) if index is not None else None
 
     def _listed(self, state: str, name: str, st: os.stat_result | None = None) -> dict[str, Any]:
         """What the listing tells of a file whose record this user may not
@@ -170,7 +200,7 @@ class Views:
         cur/ whose worker died (``abandoned``), and live workers; a file in
         workers/ that is no registration is skipped and told to ``on_problem``."""
         self._open()
-        counts: dict[str, Any] = {state: self.dir.count(state) for state in ("new", "cur", "failed")}
+        counts: dict[str, Any] = {state: self.dir.count(state) for state in ("new", "cur", "failed", "held", "waiting")}
         # A file compaction (or a purge) has committed but not yet removed
         # counts once, as the index's: done/ and dead/ are listed first,
         # then the index read as of one instant after that.

@@ -21,9 +21,10 @@ LAYERS = [
     ["errors", "ids", "linux", "words"],  # leaves: import nothing from spoolq
     ["owners", "procs", "record"],
     ["config", "dirspool.protocol"],
-    ["output", "waker"],
+    ["output", "waker", "dirspool.ordering"],  # ordering: the order/ folder's files
     ["backend", "dirspool.registry", "runner", "dirspool.watcher"],  # backend: the storage port every spool implements
     ["dirspool.commit", "forkserver", "dirspool.index", "dirspool.transitions"],
+    ["dirspool.waits"],  # held jobs and dependents: their moves
     ["dirspool.compact", "dirspool.pickup", "dirspool.recovery"],
     ["dirspool.passes"],  # the directory spool's walk over its due jobs
     ["dirspool.backend"],  # the port over a spool directory

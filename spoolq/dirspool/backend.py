@@ -16,7 +16,7 @@ from .. import procs
 from ..backend import Claim, CommitHooks, Finished, Look, Report
 from ..record import Outcome
 from ..waker import Waker
-from . import recovery, transitions
+from . import ordering, recovery, transitions, waits
 from .commit import COMMIT_JOBS, GroupCommit
 from .passes import Pass
 from .registry import Registration
@@ -77,12 +77,16 @@ class DirBackend:
         return registration
 
     def waker(self, poll: float | None, log: Any) -> Waker:
-        """What wakes a watching worker when jobs arrive: the folder watcher (or polling)."""
-        return make_waker(self.dir, poll=poll, log=log)
+        """What wakes a watching worker when jobs arrive: the folder watcher
+        (or polling); a lock let go wakes it too."""
+        waker = make_waker(self.dir, poll=poll, log=log)
+        self._walk().locks.wake = waker.wake
+        return waker
 
     def recover(self) -> Report:
         """Recover dead workers' jobs and remove stale tmp/ files."""
         report = recovery.recover(self.ctx)
+        waits.recover_waiting(self.ctx, self._walk().order, self.ctx.index_get)
         report.tmp_removed = self.dir.remove_tmp()
         self.dir.remove_stale_spares()
         if self.dir.shared:
@@ -114,9 +118,11 @@ class DirBackend:
             self._pass.drop_ahead()
 
     def release(self, claim: Claim) -> None:
+        ordering.release(claim.held.locks)
         claim.held.held.release()
 
     def unclaim(self, claim: Claim) -> str:
+        ordering.release(claim.held.locks)
         return transitions.unclaim(claim.held)
 
     def where(self, claim: Claim) -> str:
@@ -129,8 +135,18 @@ class DirBackend:
         pending either way until the commit."""
         defer = self.dir.fsync
         dest, due = transitions.finish(self.ctx, claim.held, outcome, worker_id, defer_sync=defer, stage=defer)
+        ordering.release(claim.held.locks)  # the run is over: the next holder may start
+        claim.held.locks = None
+        if claim.held.held.staged is None:
+            self._left(claim, dest)
         self._finished += 1
         return Finished(dest, due, pending=defer, claim=claim)
+
+    def _left(self, claim: Claim, dest: str) -> None:
+        """A job has moved on: a finished one's dependents waiting are
+        released or sent to dead/ (its move is the one they wait for)."""
+        if dest in ("done", "dead"):
+            waits.dependency_ended(self.ctx, self._walk().order, claim.job_id, dest, self.ctx.index_get)
 
     def committer(self, hooks: CommitHooks, seconds: float) -> GroupCommit:
         # Each staged job holds two descriptors; a commit comes once a
@@ -176,6 +192,7 @@ class DirBackend:
 
     def complete(self, claim: Claim, dest: str, due: float | None) -> None:
         transitions.complete(claim.held.held, dest, due)
+        self._left(claim, dest)
 
     def drop_staged(self, claim: Claim) -> None:
         claim.held.held.drop_staged()

@@ -15,12 +15,15 @@ due time, files another worker held a moment, files left for their writer.
 from __future__ import annotations
 
 import logging
+import random
 import time
 from typing import Callable
 
+from .. import record
 from ..backend import Look
 from ..output import field, quoted
-from . import transitions
+from . import transitions, waits
+from .ordering import Locks, Order
 from .pickup import Pickup
 from .protocol import Entry, SpoolDir, id_of, id_problem
 from .registry import read_passed, write_passed, write_unhandled
@@ -30,6 +33,31 @@ Log = Callable[[str, int, "int | None"], None]
 READ_AHEAD = 256  # a pass whose files went cold is read ahead by up to this many files ...
 PROBE_CLAIMS = 64  # ... once an eighth of this many claims in a row waited for the disk
 FOREIGN_AHEAD = 64  # entries the look-ahead may pass over as handler jobs this worker cannot run
+LOCK_RECHECK = 2.0  # seconds: a due job waiting for a lock is looked at again at least this often (a drain; a watching worker is woken at once)
+
+
+def _gated(job: dict) -> bool:
+    return job.get("lock") is not None or job.get("after") is not None or job.get("held") is True
+
+
+def _by_priority(order: Order, entries: list[Entry], marks: dict[str, int]) -> list[Entry]:
+    """A pass's entries ordered by priority (highest first), then as the
+    scan ordered them (due time, name); markers whose jobs are gone are
+    removed now and then."""
+    first, plain, last = [], [], []
+    seen = set()
+    for entry in entries:
+        p = marks.get(entry.name, 0)
+        if p:
+            seen.add(entry.name)
+            (first if p > 0 else last).append((-p, entry))
+        else:
+            plain.append(entry)
+    if len(seen) < len(marks) and random.random() < 0.05:
+        order.drop_stale_priorities(marks, seen)
+    first.sort()
+    last.sort()
+    return [e for _, e in first] + plain + [e for _, e in last]
 
 
 def named(name: str) -> str:
@@ -196,6 +224,9 @@ class Pass:
         self._pickup_failures: set[str] = set()  # told once per run each (a full disk would fail every pass)
         self.passed_over = PassedOver()  # handler jobs of kinds it has no handler for
         self.passed_over.load(self.dir, kinds)
+        self.order = Order(self.dir)
+        self.locks = Locks(self.order, ctx.settings)
+        self._lock_waits = False  # a due job waits for a lock: a drain waits for it too
 
     # -- claims ----------------------------------------------------------------
 
@@ -216,8 +247,11 @@ class Pass:
         return None
 
     def look(self) -> Look:
+        later = None if self._later_ns is None else self._later_ns / 1e9
+        if self._lock_waits:  # woken by Locks the moment a lock is let go; this is only a backstop
+            later = min(later, time.time() + LOCK_RECHECK) if later is not None else time.time() + LOCK_RECHECK
         return Look(due=None if self._next_due is None else self._next_due / 1e9, busy=self._busy > 0,
-                    later=None if self._later_ns is None else self._later_ns / 1e9, more=self._pickup_more)
+                    later=later, more=self._pickup_more)
 
     def _scan(self) -> None:
         """List the due entries for a new pass."""
@@ -228,7 +262,10 @@ class Pass:
         scan = self.dir.scan(time.time_ns(), self.scan_limit)
         self._next_due = scan.next_due_ns
         self.log(f"scan due={len(scan.due)}", 2, None)
-        self.entries = self.passed_over.unknown(scan.due) if self.passed_over.before else scan.due
+        self._lock_waits = False
+        entries = self.passed_over.unknown(scan.due) if self.passed_over.before else scan.due
+        marks = self.order.priorities()  # (an empty order/prio/, or none: priorities unused, nothing to do)
+        self.entries = _by_priority(self.order, entries, marks) if marks else entries
         self.pos = 0
         self.read_ahead = ReadAhead(self.dir, self.entries)
 
@@ -243,6 +280,8 @@ class Pass:
             else:
                 self.drop_ahead()
                 ready = self._prepare(entry)
+            if ready is not None and _gated(ready.job):
+                ready = self._gate(ready)
             return transitions.take(ready, time.time_ns(), self.on_quarantine) if ready is not None else None
         except Exception as e:  # a claim never takes the worker down; the file stays put
             self.log(f"{named(entry.name)} cannot claim it from {entry.state}/: {type(e).__name__}: {e}", 0, None)
@@ -262,6 +301,37 @@ class Pass:
                 self.passed_over.add(entry, kind)
                 return None
         return ready
+
+    def _gate(self, ready: Claimed) -> Claimed | None:
+        """A job whose record says held, names dependencies or holds locks:
+        held ones (a file dropped so) go to held/; one with a dependency
+        unfinished goes to waiting/ (one unknown, dead or cancelled: to
+        dead/); one whose lock is taken is let go for now (no attempt), the
+        lock waited for without polling. Else ready, its lock slots taken."""
+        job = ready.job
+        if job.get("held") is True and ready.origin == "new":
+            ready.held.move("held", keep_name=True)
+            ready.held.release()
+            return None
+        if job.get("after") is not None:
+            parked = waits.park(self.ctx, self.order, ready, self._history)
+            if parked is not None:
+                self.log(f"{named(ready.held.name)} {parked}", 1, None)
+                return None
+        names = record.locks_of(job)
+        if names:
+            fds, taken = self.locks.acquire(names)
+            if fds is None:
+                ready.held.release()
+                self._lock_waits = True
+                self.locks.wait_for(taken)
+                return None
+            self.locks.note_holder(fds, ready.job_id)
+            ready.locks = fds
+        return ready
+
+    def _history(self, job_id: str) -> dict | None:
+        return self.ctx.index_get(job_id)
 
     # -- the -j 1 look-ahead ------------------------------------------------------
 

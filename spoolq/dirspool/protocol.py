@@ -42,9 +42,14 @@ from ..ids import (  # noqa: F401 - importable from here too
     staged_job_name,
 )
 
-STATES = ("new", "cur", "failed", "dead", "done")
+STATES = ("new", "cur", "failed", "dead", "done", "held", "waiting")
 WAITING = ("new", "failed")
-FOLDERS = ("tmp",) + STATES + ("workers",)
+#: Folders a spool made before they existed lacks: made when it is next
+#: opened by its owner; a folder missing is an empty one. held/: jobs held
+#: until released; waiting/: jobs waiting for dependencies; order/: what
+#: orders jobs without reading them (ordering.py).
+LATER_FOLDERS = ("held", "waiting", "order")
+FOLDERS = ("tmp",) + STATES + ("workers", "order")
 
 #: A record rewritten in place must fit in one page: the kernel copies a
 #: write page by page and checks for SIGKILL between pages, so a write that
@@ -318,6 +323,12 @@ class SpoolDir:
             who = f"{user_name(self.owner)}, who owns {self.root}," + ("" if self.owner == 0 else " or root")
             raise SpoolError(f"only {who} may {action}")
 
+    def has(self, folder: str) -> bool:
+        """Whether the spool has the folder (one of LATER_FOLDERS may be missing)."""
+        if not self._fds:
+            self.open()
+        return folder in self._fds
+
     def fd(self, folder: str) -> int:
         if not self._fds:
             self.open()
@@ -441,10 +452,11 @@ class SpoolDir:
                 e.filename = self.path("tmp", tmp)
             raise
 
-    def publish(self, name: str, data: bytes, mtime_ns: int | None = None) -> None:
-        """Enqueue: write in tmp/, fsync, move into new/ without replacing,
-        fsync new/. Raises Exists if ``new/name`` is taken. Only when this
-        returns is the job enqueued; on any error no file is left in new/."""
+    def publish(self, name: str, data: bytes, mtime_ns: int | None = None, folder: str = "new") -> None:
+        """Enqueue: write in tmp/, fsync, move into new/ (or ``folder``)
+        without replacing, fsync it. Raises Exists if ``new/name`` is taken.
+        Only when this returns is the job enqueued; on any error no file is
+        left in new/."""
         tmp_dir = self.fd("tmp")
         tmp, fd = self._write_tmp(name, data, mtime_ns)
         try:
@@ -453,12 +465,12 @@ class SpoolDir:
                     os.fsync(fd)
             finally:
                 _close_held(fd)
-            rename_noreplace(tmp_dir, tmp, self.fd("new"), name)
+            rename_noreplace(tmp_dir, tmp, self.fd(folder), name)
         except BaseException as e:
             _unlink_quietly(tmp_dir, tmp)
-            self._denied_in(e, "new", "tmp")
+            self._denied_in(e, folder, "tmp")
             raise
-        self.sync_dir("new")
+        self.sync_dir(folder)
 
     def publish_many(self, items: list[tuple[str, bytes, int | None]]) -> list[str]:
         """Enqueue many jobs with one sync for all files (group commit).
@@ -521,6 +533,8 @@ class SpoolDir:
         """(state, name) of the first of ``names`` found in ``states``, in
         that order (one stat each; nothing is listed)."""
         for state in states:
+            if state in LATER_FOLDERS and not self.has(state):
+                continue
             for name in names:
                 try:
                     os.stat(name, dir_fd=self.fd(state), follow_symlinks=False)
@@ -533,6 +547,8 @@ class SpoolDir:
 
     def names(self, folder: str) -> Iterator[str]:
         """Names in a folder, dot-files left out, in directory order."""
+        if folder in LATER_FOLDERS and not self.has(folder):
+            return
         with os.scandir(self.fd(folder)) as it:
             for entry in it:
                 if not entry.name.startswith("."):
@@ -540,6 +556,8 @@ class SpoolDir:
 
     def count(self, folder: str) -> int:
         n = 0
+        if folder in LATER_FOLDERS and not self.has(folder):
+            return 0
         with os.scandir(self.fd(folder)) as it:
             for entry in it:
                 if entry.name[0] != ".":
@@ -548,6 +566,8 @@ class SpoolDir:
 
     def entries(self, folder: str) -> Iterator[tuple[str, os.stat_result]]:
         """(name, lstat) of each entry of a folder, dot-files left out."""
+        if folder in LATER_FOLDERS and not self.has(folder):
+            return
         fd = self.fd(folder)
         for name in self.names(folder):
             try:
@@ -1770,7 +1790,28 @@ def _is_dir(dir_fd: int, name: str) -> bool:
         return False
 
 
+def _make_later_folder(root: str, folder: str, flags: int, fds: dict[str, int]) -> None:
+    """Make a folder of LATER_FOLDERS in a spool made before it, as its
+    owner only, with the mode of its kind; leave it out when it cannot be made."""
+    try:
+        root_st = os.stat(root)
+        if root_st.st_uid != os.geteuid():
+            return
+        shared = bool(root_st.st_mode & stat.S_ISGID and root_st.st_mode & 0o070)
+        mode = 0o700 if folder == "order" else _folder_mode(folder, shared)
+        try:
+            os.mkdir(os.path.join(root, folder), mode)
+            os.chmod(os.path.join(root, folder), mode, follow_symlinks=False)
+        except FileExistsError:
+            pass
+        fds[folder] = os.open(os.path.join(root, folder), flags)
+    except OSError:
+        return
+
+
 def _folder_mode(folder: str, shared: bool) -> int:
+    if folder == "order":
+        return 0o700
     if folder == "workers" or not shared:
         return WORKERS_MODE if folder == "workers" else 0o700
     return SHARED_DROP if folder == DROP else SHARED_FOLDER
@@ -1906,6 +1947,8 @@ def _open_folders(root: str, create: bool, fds: dict[str, int]) -> None:
                 fds[folder] = os.open(path, flags)
             elif folder == "workers":
                 continue
+            elif folder in LATER_FOLDERS:
+                _make_later_folder(root, folder, flags, fds)
             elif not os.path.isdir(os.path.join(root, "new")):
                 raise NotASpool(root) from None
             else:
@@ -1915,7 +1958,7 @@ def _open_folders(root: str, create: bool, fds: dict[str, int]) -> None:
                 raise SpoolError(f"{path} is a symlink; spool folders must be real directories") from None
             raise SpoolError(f"{path} is not a directory") from None
         except PermissionError as e:
-            if folder == "workers":
+            if folder == "workers" or folder in LATER_FOLDERS:
                 continue
             e.filename = path  # said as "permission denied: PATH", the folder to look at
             raise

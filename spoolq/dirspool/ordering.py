@@ -1,0 +1,343 @@
+"""What decides when a job of a spool directory may run, besides its due
+time: the held/ and waiting/ folders and the small files of order/.
+
+- ``order/prio/P~ID``: an empty file saying job ID has priority P (not 0).
+  A scan lists this folder (empty unless priorities are in use) and
+  orders by it without reading any job file; a marker whose job is gone
+  is removed by a later scan. Made before the job is published.
+- ``waiting/``: jobs whose dependencies have not all succeeded, parked
+  where no pass looks. ``order/deps/DEP/ID``: job ID waits for DEP. The
+  move of DEP to done/ releases each such ID whose other dependencies are
+  done too (one rename, waiting/ -> new/); its move to dead/ (or a cancel)
+  sends them to dead/ with the reason, and theirs after them. The edges
+  are a cache: recovery releases or kills whatever waits wrongly.
+- ``held/``: jobs held by the operator, never claimed until released.
+- ``order/keys/HASH``: the id of the job that last took unique key KEY
+  (HASH is its SHA-256). Taken under the file's flock: the key is free
+  when the job it names is in none of new/, cur/, failed/, held/, waiting/.
+- ``order/locks/NAME.SLOT``: flocked by the worker running a job that
+  holds lock NAME, for the whole run (slots 0 .. limit-1); the kernel
+  frees a dead worker's at once.
+
+Every move here is one rename of a locked file, as everywhere else.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import os
+import threading
+import time
+from typing import Any, Callable
+
+from .. import config, record
+from ..errors import InvalidJob
+from .protocol import SpoolDir, file_name, id_of
+
+UNFINISHED = ("new", "cur", "failed", "held", "waiting")
+STALE_MARK = 300.0  # seconds before a priority marker without its job is removed (an enqueue may be making it)
+_OPEN = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
+
+
+class Order:
+    """The order/ folder of one open spool (its subfolders made on first need)."""
+
+    def __init__(self, spool: SpoolDir):
+        self.spool = spool
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def sub(self, name: str, create: bool = False) -> int | None:
+        """The descriptor of ``order/name`` (None when it does not exist)."""
+        fd = self._fds.get(name)
+        if fd is not None:
+            return fd
+        if not self.spool.has("order"):
+            return None
+        with self._lock:
+            if name in self._fds:
+                return self._fds[name]
+            parent = self.spool.fd("order")
+            try:
+                fd = os.open(name, _OPEN | os.O_DIRECTORY, dir_fd=parent)
+            except FileNotFoundError:
+                if not create:
+                    return None
+                try:
+                    os.mkdir(name, 0o700, dir_fd=parent)
+                except FileExistsError:
+                    pass
+                fd = os.open(name, _OPEN | os.O_DIRECTORY, dir_fd=parent)
+            self._fds[name] = fd
+            return fd
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds = {}
+
+    # -- priorities --------------------------------------------------------
+
+    def mark_priority(self, job_id: str, priority: int) -> None:
+        if priority:
+            fd = self.sub("prio", create=True)
+            os.close(os.open(f"{priority}~{job_id}", os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
+                             0o600, dir_fd=fd))
+            if self.spool.fsync:  # before the job is published: a job on disk has its place
+                os.fsync(fd)
+
+    def priorities(self) -> dict[str, int]:
+        """File name -> priority of every job marked with one."""
+        fd = self.sub("prio")
+        if fd is None:
+            return {}
+        found = {}
+        with os.scandir(fd) as it:
+            for entry in it:
+                p, sep, job_id = entry.name.partition("~")
+                try:
+                    found[file_name(job_id)] = int(p)
+                except ValueError:
+                    continue
+        return found
+
+    def drop_stale_priorities(self, marks: dict[str, int], seen: set[str]) -> None:
+        """Remove the markers of jobs no longer waiting or running (a scan
+        saw them in neither new/ nor failed/, and they are nowhere else)."""
+        fd = self.sub("prio")
+        if fd is None:
+            return
+        now = time.time()
+        for name, p in marks.items():
+            if name in seen or self.spool.find((name,), UNFINISHED) is not None:
+                continue
+            mark = f"{p}~{id_of(name)}"
+            try:
+                if now - os.stat(mark, dir_fd=fd, follow_symlinks=False).st_mtime > STALE_MARK:
+                    os.unlink(mark, dir_fd=fd)
+            except FileNotFoundError:
+                pass
+
+    # -- unique keys ---------------------------------------------------------
+
+    def with_key(self, key: str, job_id: str, publish: Callable[[], None]) -> str | None:
+        """Publish the job holding unique key ``key`` unless an unfinished
+        job holds it: then that job's id, and nothing is published. The key
+        file's flock makes concurrent enqueues of one key take turns."""
+        fd = self.sub("keys", create=True)
+        name = hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
+        kfd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600, dir_fd=fd)
+        try:
+            fcntl.flock(kfd, fcntl.LOCK_EX)
+            holder = os.pread(kfd, 200, 0).decode("ascii", "replace").strip()
+            if holder and holder != job_id and self.unfinished(holder):
+                return holder
+            data = job_id.encode("ascii")
+            os.ftruncate(kfd, 0)
+            os.pwrite(kfd, data, 0)
+            publish()
+            return None
+        finally:
+            os.close(kfd)
+
+    def unfinished(self, job_id: str) -> bool:
+        """Whether job ``job_id`` waits, is held or runs. Looked for twice:
+        a job moving between two folders as they are looked in is found
+        by the second look."""
+        names = (file_name(job_id),)
+        return any(self.spool.find(names, UNFINISHED) is not None for _ in range(2))
+
+    # -- dependencies ------------------------------------------------------------
+
+    def add_edges(self, job_id: str, deps: list[str]) -> None:
+        for dep in deps:
+            parent = self.sub("deps", create=True)
+            try:
+                os.mkdir(dep, 0o700, dir_fd=parent)
+            except FileExistsError:
+                pass
+            dfd = os.open(dep, _OPEN | os.O_DIRECTORY, dir_fd=parent)
+            try:
+                os.close(os.open(job_id, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600, dir_fd=dfd))
+            finally:
+                os.close(dfd)
+
+    def dependents(self, dep: str) -> list[str]:
+        parent = self.sub("deps")
+        if parent is None:
+            return []
+        try:
+            dfd = os.open(dep, _OPEN | os.O_DIRECTORY, dir_fd=parent)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        try:
+            return sorted(os.listdir(dfd))
+        finally:
+            os.close(dfd)
+
+    def drop_edges(self, dep: str, dependents: list[str]) -> None:
+        parent = self.sub("deps")
+        if parent is None:
+            return
+        try:
+            dfd = os.open(dep, _OPEN | os.O_DIRECTORY, dir_fd=parent)
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        try:
+            for name in dependents:
+                try:
+                    os.unlink(name, dir_fd=dfd)
+                except FileNotFoundError:
+                    pass
+        finally:
+            os.close(dfd)
+        try:
+            os.rmdir(dep, dir_fd=parent)
+        except OSError:
+            pass  # another dependent came meanwhile
+
+
+class Locks:
+    """The lock slots a worker holds for its runs, and the waits for taken
+    ones: a thread per taken slot sleeps in flock(2) until it is free, then
+    lets it go and wakes the worker (no polling, no expiry)."""
+
+    def __init__(self, order: Order, settings: Any):
+        self.order = order
+        self.settings = settings
+        self.wake: Callable[[], None] = lambda: None
+        self._waiting: set[str] = set()
+        self._lock = threading.Lock()
+
+    def acquire(self, names: list[str]) -> tuple[list[int] | None, str | None]:
+        """Slots of every name (sorted) for a run: (descriptors, None), or
+        (None, the first name whose slots are all taken), none kept then."""
+        fd = self.order.sub("locks", create=True)
+        held: list[int] = []
+        for name in names:
+            got = None
+            for slot in range(config.lock_limit(self.settings, name)):
+                sfd = os.open(f"{name}.{slot}", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600,
+                              dir_fd=fd)
+                try:
+                    fcntl.flock(sfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    got = sfd
+                    break
+                except OSError as e:
+                    os.close(sfd)
+                    if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                        raise
+            if got is None:
+                release(held)
+                return None, name
+            held.append(got)
+        return held, None
+
+    def note_holder(self, fds: list[int], job_id: str) -> None:
+        """Write the running job's id in its slots, for show and list."""
+        for sfd in fds:
+            try:
+                os.ftruncate(sfd, 0)
+                os.pwrite(sfd, job_id.encode("ascii"), 0)
+            except OSError:
+                pass
+
+    def wait_for(self, name: str) -> None:
+        """Wake the worker once a slot of ``name`` is let go."""
+        with self._lock:
+            if name in self._waiting:
+                return
+            self._waiting.add(name)
+        for slot in range(config.lock_limit(self.settings, name)):
+            threading.Thread(target=self._wait_slot, args=(name, slot), daemon=True,
+                             name=f"spoolq-lock-{name}").start()
+
+    def _wait_slot(self, name: str, slot: int) -> None:
+        try:
+            fd = self.order.sub("locks", create=True)
+            sfd = os.open(f"{name}.{slot}", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600, dir_fd=fd)
+            try:
+                fcntl.flock(sfd, fcntl.LOCK_EX)
+            finally:
+                os.close(sfd)  # (lets the slot go at once)
+        except OSError:
+            pass
+        with self._lock:
+            self._waiting.discard(name)
+        self.wake()
+
+
+def release(fds: list[int] | None) -> None:
+    for fd in fds or ():
+        os.close(fd)
+
+
+def holders(order: Order, name: str) -> list[str]:
+    """The jobs running with lock ``name`` (what their slots say)."""
+    fd = order.sub("locks")
+    if fd is None:
+        return []
+    found = []
+    prefix = name + "."
+    for slot in sorted(os.listdir(fd)):
+        if not slot.startswith(prefix):
+            continue
+        try:
+            sfd = os.open(slot, _OPEN, dir_fd=fd)
+        except FileNotFoundError:
+            continue
+        try:
+            try:
+                fcntl.flock(sfd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                continue  # free
+            except OSError:
+                pass
+            text = os.pread(sfd, 200, 0).decode("ascii", "replace").strip()
+            if text:
+                found.append(text)
+        finally:
+            os.close(sfd)
+    return found
+
+
+def check_dependencies(state_of: Callable[[str], str | None], job_id: str, deps: list[str]) -> bool:
+    """Whether every dependency of a job to enqueue has succeeded (False:
+    some are unfinished). InvalidJob for an unknown one, or one that ended
+    dead or cancelled."""
+    waiting = False
+    for dep in deps:
+        state = state_of(dep)
+        if state is None:
+            raise InvalidJob(f"after: no job {dep} in this spool")
+        if state in ("dead", "cancelled"):
+            raise InvalidJob(f"after: job {dep} ended {state}; retry it, or enqueue without it")
+        waiting = waiting or state != "done"
+    return not waiting
+
+
+def outcome_state(spool: SpoolDir, history: Callable[[str], dict | None], job_id: str) -> str | None:
+    """What became of job ``job_id``: done (succeeded), cancelled, dead,
+    unfinished, or None when the spool has no such job (its history included)."""
+    where = spool.find((file_name(job_id),))
+    if where is None:
+        job = history(job_id)
+        if job is None:
+            return None
+        if job.get("state") == "dead":
+            return "dead"
+        return "cancelled" if job.get("outcome") == "cancelled" else "done"
+    state = where[0]
+    if state == "done":
+        try:
+            data, _ = spool.read("done", where[1], 1 << 24)
+            job = record.loads(data.decode("utf-8", "surrogateescape"))
+        except (OSError, ValueError, InvalidJob):
+            return "done"
+        return "cancelled" if isinstance(job, dict) and job.get("outcome") == "cancelled" else "done"
+    if state == "dead":
+        return "dead"
+    return "unfinished"
+
+
