@@ -33,7 +33,7 @@ import time
 from typing import Any, Callable
 
 from .. import config, record
-from ..errors import InvalidJob
+from ..errors import InvalidJob, UnmetDependency
 from .protocol import SpoolDir, file_name, id_of
 
 UNFINISHED = ("new", "cur", "failed", "held", "waiting")
@@ -310,9 +310,9 @@ def check_dependencies(state_of: Callable[[str], str | None], job_id: str, deps:
     for dep in deps:
         state = state_of(dep)
         if state is None:
-            raise InvalidJob(f"after: no job {dep} in this spool")
+            raise UnmetDependency(f"after: no job {dep} in this spool")
         if state in ("dead", "cancelled"):
-            raise InvalidJob(f"after: job {dep} ended {state}; retry it, or enqueue without it")
+            raise UnmetDependency(f"after: job {dep} ended {state}; retry it, or enqueue without it")
         waiting = waiting or state != "done"
     return not waiting
 

@@ -16,7 +16,7 @@ import json
 from typing import Any, Callable
 
 from .. import record
-from ..errors import InvalidJob, JobNotFound, NotPossible
+from ..errors import InvalidJob, JobNotFound, NotPossible, UnmetDependency
 from . import queries
 from .reads import SHOWN
 
@@ -42,18 +42,20 @@ def needs_care(job: dict) -> bool:
 def dependencies(conn, job_id: str, after: list[str], batch: dict[str, dict]) -> tuple[str, str | None]:
     """Mark each dependency as having dependents (its row locked till the
     commit, so it cannot finish unseen) and say where the job starts:
-    ("new", None), ("waiting", None) or ("dead", the reason). Raises
-    InvalidJob for an id the spool does not hold (nor the batch)."""
+    ("new", None) or ("waiting", None). Raises UnmetDependency for an id
+    the spool does not hold (nor the batch), or one that ended dead or
+    cancelled."""
     outside = [dep for dep in after if dep not in batch]
     found = {row[0]: row[1:] for row in conn.execute("SELECT * FROM spoolq.depend_on(%s)", (outside,))}
     for dep in after:
         if dep not in batch and dep not in found:
-            raise InvalidJob(f"after: no job {dep} in this spool")
+            raise UnmetDependency(f"after: no job {dep} in this spool")
     for dep in after:
         if dep in found:
             state, outcome = found[dep]
             if state == "dead" or outcome == "cancelled":
-                return "dead", f"its dependency {dep} ended {'dead' if state == 'dead' else 'cancelled'}"
+                raise UnmetDependency(f"after: job {dep} ended {'dead' if state == 'dead' else 'cancelled'}; "
+                                      "retry it, or enqueue without it")
     if any(dep in batch or found[dep][0] != "done" for dep in after):
         return "waiting", None
     return "new", None
