@@ -37,7 +37,8 @@ LOCK_RECHECK = 2.0  # seconds: a due job waiting for a lock is looked at again a
 
 
 def _gated(job: dict) -> bool:
-    return job.get("lock") is not None or job.get("after") is not None or job.get("held") is True
+    return (job.get("lock") is not None or job.get("after") is not None or job.get("held") is True
+            or bool(job.get("priority")))
 
 
 def _by_priority(order: Order, entries: list[Entry], marks: dict[str, int]) -> list[Entry]:
@@ -227,6 +228,8 @@ class Pass:
         self.order = Order(self.dir)
         self.locks = Locks(self.order, ctx.settings)
         self._lock_waits = False  # a due job waits for a lock: a drain waits for it too
+        self._marks: dict[str, int] = {}  # the priorities of this pass (file name -> priority)
+        self._reorder = False  # a job met with a priority it was not ordered by: a new pass at once
 
     # -- claims ----------------------------------------------------------------
 
@@ -251,7 +254,7 @@ class Pass:
         if self._lock_waits:  # woken by Locks the moment a lock is let go; this is only a backstop
             later = min(later, time.time() + LOCK_RECHECK) if later is not None else time.time() + LOCK_RECHECK
         return Look(due=None if self._next_due is None else self._next_due / 1e9, busy=self._busy > 0,
-                    later=later, more=self._pickup_more)
+                    later=later, more=self._pickup_more or self._reorder)
 
     def _scan(self) -> None:
         """List the due entries for a new pass."""
@@ -264,7 +267,8 @@ class Pass:
         self.log(f"scan due={len(scan.due)}", 2, None)
         self._lock_waits = False
         entries = self.passed_over.unknown(scan.due) if self.passed_over.before else scan.due
-        marks = self.order.priorities()  # (an empty order/prio/, or none: priorities unused, nothing to do)
+        marks = self._marks = self.order.priorities()  # (an empty order/prio/, or none: priorities unused)
+        self._reorder = False
         self.entries = _by_priority(self.order, entries, marks) if marks else entries
         self.pos = 0
         self.read_ahead = ReadAhead(self.dir, self.entries)
@@ -309,6 +313,15 @@ class Pass:
         dead/); one whose lock is taken is let go for now (no attempt), the
         lock waited for without polling. Else ready, its lock slots taken."""
         job = ready.job
+        priority = record.priority_of(job)
+        if priority and self._marks.get(ready.held.name) != priority:
+            # Dropped by hand with a priority and no marker: marked now,
+            # and the pass ends here so that the next orders it by it.
+            self.order.mark_priority(ready.job_id, priority)
+            ready.held.release()
+            self.pos = len(self.entries)
+            self._reorder = True
+            return None
         if job.get("held") is True and ready.origin == "new":
             ready.held.move("held", keep_name=True)
             ready.held.release()
