@@ -182,3 +182,18 @@ def test_a_held_job_is_never_claimed_until_released(spool):
     assert sorted(drain(spool)) == ["h1", "h2"]
     with pytest.raises(NotPossible, match="not held"):
         spool.release_held("h1")
+
+
+def test_a_row_inserted_by_hand_is_ordered_by_its_record(spool, pg_spool_url):
+    import psycopg
+
+    with psycopg.connect(pg_spool_url, autocommit=True) as conn:
+        for job_id, extra, priority in (("plain", "", 0), ("urgent", ', "priority": 5', 5),
+                                        ("late", ', "priority": -5', 0), ("kept", ', "held": true', 0)):
+            conn.execute("INSERT INTO spoolq.jobs (id, record, priority) VALUES (%s, %s, %s)",
+                         (job_id, '{"command": "true"' + extra + "}", priority))
+    # The priority column orders a row from the start; a record's priority
+    # from its first sight (late: passed over then, and last).
+    assert drain(spool) == ["urgent", "plain", "late"]
+    kept = spool.get("kept")
+    assert kept["state"] == "held" and kept["why"] == "held (spoolq release kept)"

@@ -301,7 +301,9 @@ class PgBackend:
         """Recover the jobs of workers dead for longer than the grace."""
         self.open()
         self._last_recovery = time.monotonic()
-        return recovery.recover(self._conn("auto"), self.settings)
+        report = recovery.recover(self._conn("auto"), self.settings)
+        ordering.release_stuck(self._conn("auto"))
+        return report
 
     def housekeeping(self, settle: Callable[[], None] | None = None) -> Report | None:
         """Between passes: a recovery every RECOVER_EVERY seconds, so a dead

@@ -188,5 +188,11 @@ def retry_state(conn, job_id: str, job: dict) -> str:
     return "waiting" if waiting else "new"
 
 
+def release_stuck(conn) -> None:
+    """Waiting jobs whose dependencies have all finished, released (what
+    the finishing trigger does; here for a row changed by hand)."""
+    conn.execute("SELECT spoolq.release_waiting(ARRAY(SELECT id FROM spoolq.jobs WHERE state = 'waiting'))")
+
+
 def _shown(state: str) -> str:
     return SHOWN[state]

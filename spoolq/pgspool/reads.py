@@ -79,6 +79,12 @@ def shaped(row: tuple) -> dict[str, Any]:
     job["state"] = SHOWN[state]
     if state in ("new", "failed"):
         job["due_at"] = rfc3339(at.timestamp())
+        if at.timestamp() > time.time():
+            job["why"] = f"not due until {job['due_at']}"
+    elif state == "held":
+        job["why"] = f"held (spoolq release {job_id})"
+    elif state == "waiting":
+        job["why"] = f"waiting for job {', '.join(record.after_of(job))}"
     return job
 
 
