@@ -120,3 +120,15 @@ def test_kill_9_at_random_moments_loses_nothing_and_never_overlaps_a_lock(spool,
     intervals.sort()
     for (s1, e1), (s2, _) in zip(intervals, intervals[1:]):
         assert s2 >= e1 - 0.001, "two holders of lock m ran at once"
+
+
+def test_a_dropped_file_whose_unique_key_is_taken_goes_to_dead(spool):
+    spool.config("fsync", "false")
+    first = spool.enqueue("--unique", "k", "--in", "1h", "true")
+    _drop(spool, "copy", {"command": "true", "unique": "k"})
+    _drop(spool, "other", {"command": "true", "unique": "other-key"})
+    spool.work()
+    copy = spool.show("copy")
+    assert copy["state"] == "dead" and f"held by job {first}" in copy["error"]
+    assert spool.show("other")["state"] == "done"
+    assert spool.run("enqueue", "--unique", "other-key", "true").stdout.strip() != "other"  # done: free

@@ -208,7 +208,7 @@ class Locks:
         self.order = order
         self.settings = settings
         self.wake: Callable[[], None] = lambda: None
-        self._waiting: set[str] = set()
+        self._waiting: set[tuple[str, int]] = set()  # (name, slot) a thread waits for
         self._lock = threading.Lock()
 
     def acquire(self, names: list[str]) -> tuple[list[int] | None, str | None]:
@@ -246,11 +246,11 @@ class Locks:
 
     def wait_for(self, name: str) -> None:
         """Wake the worker once a slot of ``name`` is let go."""
-        with self._lock:
-            if name in self._waiting:
-                return
-            self._waiting.add(name)
         for slot in range(config.lock_limit(self.settings, name)):
+            with self._lock:
+                if (name, slot) in self._waiting:
+                    continue
+                self._waiting.add((name, slot))
             threading.Thread(target=self._wait_slot, args=(name, slot), daemon=True,
                              name=f"spoolq-lock-{name}").start()
 
@@ -265,7 +265,7 @@ class Locks:
         except OSError:
             pass
         with self._lock:
-            self._waiting.discard(name)
+            self._waiting.discard((name, slot))
         self.wake()
 
 

@@ -38,7 +38,7 @@ LOCK_RECHECK = 2.0  # seconds: a due job waiting for a lock is looked at again a
 
 def _gated(job: dict) -> bool:
     return (job.get("lock") is not None or job.get("after") is not None or job.get("held") is True
-            or bool(job.get("priority")))
+            or bool(job.get("priority")) or job.get("unique") is not None)
 
 
 def _by_priority(order: Order, entries: list[Entry], marks: dict[str, int]) -> list[Entry]:
@@ -326,6 +326,14 @@ class Pass:
             ready.held.move("held", keep_name=True)
             ready.held.release()
             return None
+        if job.get("unique") is not None and job.get("state") in (None, "new"):
+            # A file dropped by hand takes its key here (an enqueued job holds it already).
+            holder = self.order.with_key(job["unique"], ready.job_id, lambda: None)
+            if holder is not None:
+                reason = f"its unique key is held by job {holder}, which has not finished"
+                transitions.quarantine(self.ctx, ready.held, reason)
+                self.on_quarantine(ready.held.name, reason)
+                return None
         if job.get("after") is not None:
             parked = waits.park(self.ctx, self.order, ready, self._history)
             if parked is not None:
