@@ -28,6 +28,7 @@ from .errors import (  # noqa: F401 - importable from here too
 )
 from .owners import swappable, user_name
 from .dirspool.protocol import DROP, STATES, SpoolDir, file_name, id_of, id_problem, new_id, refuse_non_directory
+from .ordered import Ordering, ordered as _ordered
 from .views import Views
 
 #: Seconds a member's cancel or retry waits for a worker to answer its
@@ -35,13 +36,7 @@ from .views import Views
 REQUEST_WAIT = 10.0
 
 
-def _ordered(fields: Mapping[str, Any]) -> bool:
-    """Whether a job's fields put it anywhere but plainly in new/."""
-    return (fields.get("after") is not None or fields.get("unique") is not None or bool(fields.get("held"))
-            or bool(fields.get("priority")))
-
-
-class Spool(Views):
+class Spool(Views, Ordering):
     """A spool directory: enqueue, inspect, cancel, retry and run jobs.
 
     ``Spool()`` uses ``$SPOOLQ_DIR``, else ``./spool``. Nothing is created
@@ -287,53 +282,6 @@ class Spool(Views):
             raise DuplicateId(f"id {job_id} is already in {DROP if self.dir.drops_in else 'new'}/") from None
         return job_id
 
-    def _enqueue_ordered(self, job_id: str, job: dict, data: bytes, mtime_ns: int | None) -> str | None:
-        """A job with dependencies, a unique key, a priority or held: see dirspool/waits.enqueue."""
-        from .dirspool import waits  # imported here: start-up speed (as in context())
-
-        if self.dir.drops_in:
-            raise NotPossible("a member of a shared spool enqueues no priority, dependency, unique key or held "
-                              "job (its drop is taken in plainly); ask the spool's owner")
-
-        def publish(folder: str) -> None:
-            try:
-                self.dir.publish(file_name(job_id), data, mtime_ns, folder=folder)
-            except Exists:
-                raise DuplicateId(f"id {job_id} is already in {folder}/") from None
-
-        return waits.enqueue(self.context(), self.order, job_id, job, publish, self._history)
-
-    @property
-    def order(self):
-        """The order/ folder's files (priorities, dependencies, unique keys, locks)."""
-        if getattr(self, "_order", None) is None:
-            from .dirspool.ordering import Order  # imported here: start-up speed
-
-            self._order = Order(self.dir)
-        return self._order
-
-    def _history(self, job_id: str) -> dict | None:
-        index = self.index(create=False)
-        return index.get(job_id) if index is not None else None
-
-    def hold(self, job_id: str) -> None:
-        """Hold a waiting job: it stays in the spool (held/) and is never
-        claimed until released. JobNotFound or NotPossible say why not."""
-        from .dirspool import waits  # imported here: start-up speed (as in context())
-
-        self._open()
-        self.dir.require_owner("hold jobs")
-        waits.hold(self.context(), job_id)
-
-    def release(self, job_id: str, now: bool = False) -> str:
-        """Release a held job: waiting again as before it was held (due when
-        it was, or ``now``). Returns the state it is in now."""
-        from .dirspool import waits  # imported here: start-up speed (as in context())
-
-        self._open()
-        self.dir.require_owner("release jobs")
-        return waits.release(self.context(), self.order, job_id, now, self._history)
-
     def enqueue_many(self, jobs: list[Mapping[str, Any]]) -> list[str]:
         """Enqueue many jobs with one sync for the lot (group commit).
 
@@ -375,27 +323,6 @@ class Spool(Views):
             # that tries the whole batch again runs them twice.
             raise PartlyEnqueued(published, len(items), cause) from e
         return [id_of(n) for n in names]
-
-    def _enqueue_each(self, jobs: list[Mapping[str, Any]]) -> list[str]:
-        """A batch with ordering fields: every job checked first, then
-        enqueued one at a time (a dependency may name a job before it)."""
-        now = time.time()
-        for i, fields in enumerate(jobs):
-            if not isinstance(fields, Mapping):
-                raise InvalidJob(f"job {i + 1}: not a JSON object")
-            try:
-                self._prepare(fields, now)
-            except InvalidJob as e:
-                raise InvalidJob(f"job {i + 1}: {e}") from None
-        ids: list[str] = []
-        for i, fields in enumerate(jobs):
-            try:
-                ids.append(self.enqueue_job(fields))
-            except (InvalidJob, DuplicateId) as e:
-                if not ids:
-                    raise type(e)(f"job {i + 1}: {e}") from None
-                raise PartlyEnqueued(ids, len(jobs), f"job {i + 1}: {e}") from e
-        return ids
 
     # -- looking -----------------------------------------------------------
 

@@ -31,7 +31,7 @@ LAYERS = [
     ["outcomes", "strategies"],  # recording outcomes; -j 1 and -j N
     ["worker"],
     ["pool"],
-    ["views"],  # the read side of Spool: records, listings, counts
+    ["views", "ordered"],  # the read side of Spool: records, listings, counts; its ordering verbs
     ["spool"],  # the facade: Spool.work is the only way to run workers
     ["bench", "metrics", "testing"],
     ["cli"],

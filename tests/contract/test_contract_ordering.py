@@ -23,7 +23,8 @@ def _ran(log) -> list[str]:
 def test_the_highest_priority_runs_first(sq, tmp_path, workers):
     log = tmp_path / "log"
     for name, priority in (("low", -5), ("plain1", 0), ("high", 9), ("mid", 3), ("plain2", 0)):
-        sq.enqueue("--id", name, "--priority", str(priority), f"echo {name} >> {log}")
+        # (Each runs a while, so that with two workers the pairs are apart.)
+        sq.enqueue("--id", name, "--priority", str(priority), f"echo {name} >> {log}; sleep 0.5")
     if workers == 1:
         sq.run("work")
         assert _ran(log) == ["high", "mid", "plain1", "plain2", "low"]
