@@ -40,6 +40,9 @@ LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
     name text;
 BEGIN
+    IF names IS NULL THEN
+        RETURN true;
+    END IF;
     FOREACH name IN ARRAY names LOOP
         IF NOT pg_try_advisory_xact_lock(1397772114, hashtext(name)) THEN
             PERFORM set_config('spoolq.lock_busy', 'on', false);
