@@ -23,7 +23,7 @@ from .output import dumps, echo, fail, one_line
 from .spool import PartlyEnqueued, Spool, load_app
 from .words import did_you_mean
 
-STATE_CHOICE = click.Choice(["new", "cur", "failed", "dead", "done"])
+STATE_CHOICE = click.Choice(["new", "cur", "failed", "dead", "done", "held", "waiting"])
 # A member's cancel or retry that no worker answered in time: it waits in
 # drop/ and is carried out later (EX_TEMPFAIL, as mail tools say "queued").
 PENDING = 75
@@ -506,6 +506,9 @@ def status(ctx, as_json, prometheus):
     for state in ("new", "cur", "failed"):
         note = _abandoned(counts["abandoned"]) if state == "cur" else _unhandled(counts["unhandled"]) if state == "new" else ""
         echo(one_line(f"{state:<8}{counts[state]:>10}{note}"))
+    for state, what in (("held", "held until released"), ("waiting", "waiting for their dependencies")):
+        if counts.get(state):  # (shown only when some are: most spools never have any)
+            echo(f"{state:<8}{counts[state]:>10}  ({what})")
     purged = f"  (and {counts['dead_purged']} purged into index.db)" if counts.get("dead_purged") else ""
     echo(f"{'dead':<8}{counts['dead']:>10}{purged}")
     echo(f"{'done':<8}{counts['done']:>10}  ({counts['done_files']} in done/, {counts['compacted']} compacted)")

@@ -200,7 +200,7 @@ class Views:
         cur/ whose worker died (``abandoned``), and live workers; a file in
         workers/ that is no registration is skipped and told to ``on_problem``."""
         self._open()
-        counts: dict[str, Any] = {state: self.dir.count(state) for state in ("new", "cur", "failed", "held", "waiting")}
+        counts: dict[str, Any] = {state: self.dir.count(state) for state in ("new", "cur", "failed")}
         # A file compaction (or a purge) has committed but not yet removed
         # counts once, as the index's: done/ and dead/ are listed first,
         # then the index read as of one instant after that.
@@ -216,6 +216,7 @@ class Views:
                         listed[state] = [i for i in listed[state] if i not in folded]
         counts.update(dead=len(listed["dead"]), done=len(listed["done"]) + compacted, done_files=len(listed["done"]),
                       compacted=compacted, dead_purged=purged)
+        counts.update(held=self.dir.count("held"), waiting=self.dir.count("waiting"))
         from .dirspool.registry import live_workers  # imported here: start-up speed (as in get())
 
         if self.dir.shared and not self.dir.member:

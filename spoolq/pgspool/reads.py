@@ -170,10 +170,12 @@ def counts(conn) -> dict[str, Any]:
     the dead jobs purged into the history), and the live workers."""
     found = {(state, purged): n for state, purged, n in conn.execute(
         "SELECT state, purged, count(*) FROM spoolq.jobs GROUP BY state, purged")}
-    out: dict[str, Any] = {SHOWN[s]: found.get((s, False), 0) for s in SHOWN}
+    out: dict[str, Any] = {SHOWN[s]: found.get((s, False), 0) for s in ("new", "running", "failed", "dead", "done")}
     out["done_files"] = out["done"]  # every finished job is a row: nothing waits to be compacted
     out["compacted"] = 0
     out["dead_purged"] = found.get(("dead", True), 0)
+    out["held"] = found.get(("held", False), 0)
+    out["waiting"] = found.get(("waiting", False), 0)
     out["abandoned"] = conn.execute(f"""SELECT count(*) FROM spoolq.jobs j LEFT JOIN spoolq.workers w ON w.id = j.worker
         WHERE j.state = 'running' AND NOT (w.id IS NOT NULL AND {LIVE})""").fetchone()[0]
     out["workers"] = [{k: w.get(k) for k in ("worker", "host", "pid", "started_at", "jobs", "kinds")}
