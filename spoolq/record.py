@@ -276,8 +276,13 @@ def _validate(job: dict, name_id: str | None) -> None:
     _validate_ordering(job, name_id if name_id is not None else job.get("id"))
 
 
+ORDERING_FIELDS = frozenset(("priority", "after", "unique", "lock", "held"))
+
+
 def _validate_ordering(job: dict, own_id: Any) -> None:
     """The fields that decide when a job may run: priority, after, unique, lock, held."""
+    if ORDERING_FIELDS.isdisjoint(job):  # (most jobs: one check, at every claim)
+        return
     priority = job.get("priority")
     if priority is not None and (not isinstance(priority, int) or isinstance(priority, bool)
                                  or not -MAX_PRIORITY <= priority <= MAX_PRIORITY):

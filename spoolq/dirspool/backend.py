@@ -145,7 +145,7 @@ class DirBackend:
     def _left(self, claim: Claim, dest: str) -> None:
         """A job has moved on: a finished one's dependents waiting are
         released or sent to dead/ (its move is the one they wait for)."""
-        if dest in ("done", "dead"):
+        if dest != "failed" and self._walk().order.any_dependents():
             waits.dependency_ended(self.ctx, self._walk().order, claim.job_id, dest, self.ctx.index_get)
 
     def committer(self, hooks: CommitHooks, seconds: float) -> GroupCommit:

@@ -90,7 +90,7 @@ class Order:
 
     def priorities(self) -> dict[str, int]:
         """File name -> priority of every job marked with one."""
-        fd = self.sub("prio")
+        fd = self.sub("prio", create=True)
         if fd is None:
             return {}
         found = {}
@@ -164,10 +164,24 @@ class Order:
             finally:
                 os.close(dfd)
 
-    def dependents(self, dep: str) -> list[str]:
-        parent = self.sub("deps")
+    def any_dependents(self) -> bool:
+        """Whether some job may have dependents (False: none has)."""
+        parent = self._fds.get("deps")
         if parent is None:
+            parent = self.sub("deps", create=True)
+            if parent is None:
+                return False
+        return os.fstat(parent).st_nlink != 2
+
+    def dependents(self, dep: str) -> list[str]:
+        """The jobs that wait for ``dep``. A finish asks this of every job:
+        while no job has dependents, order/deps/ has no subfolder (its link
+        count says so, where the filesystem counts them), and no lookup
+        is made. An edge made after that look is the enqueuer's to settle:
+        it looks at the dependency again once its job is published."""
+        if not self.any_dependents():
             return []
+        parent = self.sub("deps")
         try:
             dfd = os.open(dep, _OPEN | os.O_DIRECTORY, dir_fd=parent)
         except (FileNotFoundError, NotADirectoryError):

@@ -36,9 +36,7 @@ FOREIGN_AHEAD = 64  # entries the look-ahead may pass over as handler jobs this 
 LOCK_RECHECK = 2.0  # seconds: a due job waiting for a lock is looked at again at least this often (a drain; a watching worker is woken at once)
 
 
-def _gated(job: dict) -> bool:
-    return (job.get("lock") is not None or job.get("after") is not None or job.get("held") is True
-            or bool(job.get("priority")) or job.get("unique") is not None)
+
 
 
 def _by_priority(order: Order, entries: list[Entry], marks: dict[str, int]) -> list[Entry]:
@@ -284,7 +282,7 @@ class Pass:
             else:
                 self.drop_ahead()
                 ready = self._prepare(entry)
-            if ready is not None and _gated(ready.job):
+            if ready is not None and not record.ORDERING_FIELDS.isdisjoint(ready.job):
                 ready = self._gate(ready)
             return transitions.take(ready, time.time_ns(), self.on_quarantine) if ready is not None else None
         except Exception as e:  # a claim never takes the worker down; the file stays put
