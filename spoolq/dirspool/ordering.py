@@ -47,6 +47,7 @@ class Order:
     def __init__(self, spool: SpoolDir):
         self.spool = spool
         self._fds: dict[str, int] = {}
+        self._made: set[str] = set()  # subfolders made (or found) already
         self._lock = threading.Lock()
 
     def sub(self, name: str, create: bool = False) -> int | None:
@@ -78,45 +79,72 @@ class Order:
             os.close(fd)
         self._fds = {}
 
-    # -- priorities --------------------------------------------------------
+    # Priorities and dependency edges are reached by path from order/,
+    # without descriptors kept open (a worker's descriptors are counted:
+    # see commit.py): order/ is its owner's alone, so no one else can put
+    # a link in the way. Keys and lock slots keep theirs (sub), when used.
+
+    def _root(self, make: str | None = None) -> int | None:
+        """order/'s descriptor (None: no order/), with its subfolder ``make`` made once."""
+        if not self.spool.has("order"):
+            return None
+        root = self.spool.fd("order")
+        if make is not None and make not in self._made:
+            try:
+                os.mkdir(make, 0o700, dir_fd=root)
+            except FileExistsError:
+                pass
+            self._made.add(make)
+        return root
+
+    def _make(self, name: str) -> None:
+        """Make order/name by path (no descriptor kept), if order/ is there."""
+        try:
+            os.mkdir(os.path.join(self.spool.root, "order", name), 0o700)
+        except (FileExistsError, FileNotFoundError, PermissionError):
+            pass
 
     def mark_priority(self, job_id: str, priority: int) -> None:
         if priority:
-            fd = self.sub("prio", create=True)
-            os.close(os.open(f"{priority}~{job_id}", os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
-                             0o600, dir_fd=fd))
+            root = self._root("prio")
+            os.close(os.open(f"prio/{priority}~{job_id}", os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
+                             0o600, dir_fd=root))
             if self.spool.fsync:  # before the job is published: a job on disk has its place
-                os.fsync(fd)
+                fd = os.open("prio", _OPEN | os.O_DIRECTORY, dir_fd=root)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
 
     def priorities(self) -> dict[str, int]:
         """File name -> priority of every job marked with one."""
-        fd = self.sub("prio", create=True)
-        if fd is None:
-            return {}
         found = {}
-        with os.scandir(fd) as it:
-            for entry in it:
-                p, sep, job_id = entry.name.partition("~")
-                try:
-                    found[file_name(job_id)] = int(p)
-                except ValueError:
-                    continue
+        try:
+            with os.scandir(os.path.join(self.spool.root, "order", "prio")) as it:
+                for entry in it:
+                    p, sep, job_id = entry.name.partition("~")
+                    try:
+                        found[file_name(job_id)] = int(p)
+                    except ValueError:
+                        continue
+        except FileNotFoundError:
+            self._make("prio")  # made once: the next pass lists an empty folder
         return found
 
     def drop_stale_priorities(self, marks: dict[str, int], seen: set[str]) -> None:
         """Remove the markers of jobs no longer waiting or running (a scan
         saw them in neither new/ nor failed/, and they are nowhere else)."""
-        fd = self.sub("prio")
-        if fd is None:
+        root = self._root()
+        if root is None:
             return
         now = time.time()
         for name, p in marks.items():
             if name in seen or self.spool.find((name,), UNFINISHED) is not None:
                 continue
-            mark = f"{p}~{id_of(name)}"
+            mark = f"prio/{p}~{id_of(name)}"
             try:
-                if now - os.stat(mark, dir_fd=fd, follow_symlinks=False).st_mtime > STALE_MARK:
-                    os.unlink(mark, dir_fd=fd)
+                if now - os.stat(mark, dir_fd=root, follow_symlinks=False).st_mtime > STALE_MARK:
+                    os.unlink(mark, dir_fd=root)
             except FileNotFoundError:
                 pass
 
@@ -152,63 +180,48 @@ class Order:
     # -- dependencies ------------------------------------------------------------
 
     def add_edges(self, job_id: str, deps: list[str]) -> None:
+        root = self._root("deps")
         for dep in deps:
-            parent = self.sub("deps", create=True)
             try:
-                os.mkdir(dep, 0o700, dir_fd=parent)
+                os.mkdir(f"deps/{dep}", 0o700, dir_fd=root)
             except FileExistsError:
                 pass
-            dfd = os.open(dep, _OPEN | os.O_DIRECTORY, dir_fd=parent)
-            try:
-                os.close(os.open(job_id, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600, dir_fd=dfd))
-            finally:
-                os.close(dfd)
+            os.close(os.open(f"deps/{dep}/{job_id}", os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
+                             0o600, dir_fd=root))
 
     def any_dependents(self) -> bool:
-        """Whether some job may have dependents (False: none has)."""
-        parent = self._fds.get("deps")
-        if parent is None:
-            parent = self.sub("deps", create=True)
-            if parent is None:
-                return False
-        return os.fstat(parent).st_nlink != 2
+        """Whether some job may have dependents (False: none has). A finish
+        asks this of every job: while no job has dependents, order/deps/
+        has no subfolder, and its link count says so (where the filesystem
+        counts them). An edge made after this look is the enqueuer's to
+        settle: it looks at the dependency again once its job is published."""
+        path = os.path.join(self.spool.root, "order", "deps")
+        try:
+            return os.stat(path).st_nlink != 2
+        except FileNotFoundError:
+            self._make("deps")  # made once: the next look costs one stat
+            return False
 
     def dependents(self, dep: str) -> list[str]:
-        """The jobs that wait for ``dep``. A finish asks this of every job:
-        while no job has dependents, order/deps/ has no subfolder (its link
-        count says so, where the filesystem counts them), and no lookup
-        is made. An edge made after that look is the enqueuer's to settle:
-        it looks at the dependency again once its job is published."""
+        """The jobs that wait for ``dep``."""
         if not self.any_dependents():
             return []
-        parent = self.sub("deps")
         try:
-            dfd = os.open(dep, _OPEN | os.O_DIRECTORY, dir_fd=parent)
+            return sorted(os.listdir(os.path.join(self.spool.root, "order", "deps", dep)))
         except (FileNotFoundError, NotADirectoryError):
             return []
-        try:
-            return sorted(os.listdir(dfd))
-        finally:
-            os.close(dfd)
 
     def drop_edges(self, dep: str, dependents: list[str]) -> None:
-        parent = self.sub("deps")
-        if parent is None:
+        root = self._root()
+        if root is None:
             return
+        for name in dependents:
+            try:
+                os.unlink(f"deps/{dep}/{name}", dir_fd=root)
+            except FileNotFoundError:
+                pass
         try:
-            dfd = os.open(dep, _OPEN | os.O_DIRECTORY, dir_fd=parent)
-        except (FileNotFoundError, NotADirectoryError):
-            return
-        try:
-            for name in dependents:
-                try:
-                    os.unlink(name, dir_fd=dfd)
-                except FileNotFoundError:
-                    pass
-        finally:
-            os.close(dfd)
-        try:
-            os.rmdir(dep, dir_fd=parent)
+            os.rmdir(f"deps/{dep}", dir_fd=root)
         except OSError:
             pass  # another dependent came meanwhile
 

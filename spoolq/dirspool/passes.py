@@ -227,6 +227,7 @@ class Pass:
         self.locks = Locks(self.order, ctx.settings)
         self._lock_waits = False  # a due job waits for a lock: a drain waits for it too
         self._marks: dict[str, int] = {}  # the priorities of this pass (file name -> priority)
+        self._busy_priority: int | None = None  # the priority of a job another worker held this pass
         self._reorder = False  # a job met with a priority it was not ordered by: a new pass at once
 
     # -- claims ----------------------------------------------------------------
@@ -236,13 +237,21 @@ class Pass:
             self.fresh = False
             self._scan()
         entries = self.entries
+        marks = self._marks
         while self.pos < len(entries):
             self.read_ahead.before(self.pos)
             entry = entries[self.pos]
+            if marks and self._busy_priority is not None and marks.get(entry.name, 0) < self._busy_priority:
+                # A job of a higher priority is held by another worker (its
+                # look-ahead): look again soon rather than start this one first.
+                break
             self.pos += 1
+            busy = self._busy
             claimed = self._claim(entry)
             if claimed is not None:
                 return claimed
+            if self._busy > busy and marks:
+                self._busy_priority = marks.get(entry.name, 0)
         self.fresh = True
         self.passed_over.tell(self.dir, self.log, self.worker_id, self.kinds)
         return None
@@ -266,6 +275,7 @@ class Pass:
         self._lock_waits = False
         entries = self.passed_over.unknown(scan.due) if self.passed_over.before else scan.due
         marks = self._marks = self.order.priorities()  # (an empty order/prio/, or none: priorities unused)
+        self._busy_priority = None
         self._reorder = False
         self.entries = _by_priority(self.order, entries, marks) if marks else entries
         self.pos = 0

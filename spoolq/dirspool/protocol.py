@@ -15,6 +15,7 @@ inside the spool.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import gc
@@ -49,6 +50,7 @@ WAITING = ("new", "failed")
 #: until released; waiting/: jobs waiting for dependencies; order/: what
 #: orders jobs without reading them (ordering.py).
 LATER_FOLDERS = ("held", "waiting", "order")
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 FOLDERS = ("tmp",) + STATES + ("workers", "order")
 
 #: A record rewritten in place must fit in one page: the kernel copies a
@@ -327,7 +329,10 @@ class SpoolDir:
         """Whether the spool has the folder (one of LATER_FOLDERS may be missing)."""
         if not self._fds:
             self.open()
-        return folder in self._fds
+        if folder in self._fds:
+            return True
+        return folder in LATER_FOLDERS and os.path.isdir(os.path.join(self.root, folder)) \
+            and not os.path.islink(os.path.join(self.root, folder))
 
     def fd(self, folder: str) -> int:
         if not self._fds:
@@ -335,7 +340,40 @@ class SpoolDir:
         try:
             return self._fds[folder]
         except KeyError:
+            if folder in LATER_FOLDERS:
+                return self._open_later(folder)
             raise SpoolError(f"{self.root} has no {folder}/ folder; run 'spoolq init'") from None
+
+    def _open_later(self, folder: str) -> int:
+        """One of LATER_FOLDERS, opened when first used (and kept)."""
+        with self._open_lock:
+            if folder not in self._fds:
+                try:
+                    self._fds[folder] = os.open(os.path.join(self.root, folder), _DIR_FLAGS)
+                except OSError:
+                    raise SpoolError(f"{self.root} has no {folder}/ folder; run 'spoolq init' as its owner") \
+                        from None
+            return self._fds[folder]
+
+    @contextlib.contextmanager
+    def _looking_in(self, folder: str) -> Iterator[int | None]:
+        """A folder's descriptor for one look: one of LATER_FOLDERS not
+        opened yet is opened for the look only (None when it is missing)."""
+        if not self._fds:
+            self.open()
+        fd = self._fds.get(folder)
+        if fd is not None or folder not in LATER_FOLDERS:
+            yield self.fd(folder)
+            return
+        try:
+            fd = os.open(os.path.join(self.root, folder), _DIR_FLAGS)
+        except OSError:
+            yield None
+            return
+        try:
+            yield fd
+        finally:
+            os.close(fd)
 
     def _close_fds(self) -> None:
         for fd in self._fds.values():
@@ -533,47 +571,51 @@ class SpoolDir:
         """(state, name) of the first of ``names`` found in ``states``, in
         that order (one stat each; nothing is listed)."""
         for state in states:
-            if state in LATER_FOLDERS and not self.has(state):
-                continue
-            for name in names:
-                try:
-                    os.stat(name, dir_fd=self.fd(state), follow_symlinks=False)
-                    return state, name
-                except FileNotFoundError:
+            with self._looking_in(state) as fd:
+                if fd is None:
                     continue
+                for name in names:
+                    try:
+                        os.stat(name, dir_fd=fd, follow_symlinks=False)
+                        return state, name
+                    except FileNotFoundError:
+                        continue
         return None
 
     # -- reading -----------------------------------------------------------
 
     def names(self, folder: str) -> Iterator[str]:
         """Names in a folder, dot-files left out, in directory order."""
-        if folder in LATER_FOLDERS and not self.has(folder):
-            return
-        with os.scandir(self.fd(folder)) as it:
-            for entry in it:
-                if not entry.name.startswith("."):
-                    yield entry.name
+        with self._looking_in(folder) as fd:
+            if fd is None:
+                return
+            with os.scandir(fd) as it:
+                names = [entry.name for entry in it if not entry.name.startswith(".")]
+        yield from names
 
     def count(self, folder: str) -> int:
         n = 0
-        if folder in LATER_FOLDERS and not self.has(folder):
-            return 0
-        with os.scandir(self.fd(folder)) as it:
-            for entry in it:
-                if entry.name[0] != ".":
-                    n += 1
+        with self._looking_in(folder) as fd:
+            if fd is None:
+                return 0
+            with os.scandir(fd) as it:
+                for entry in it:
+                    if entry.name[0] != ".":
+                        n += 1
         return n
 
     def entries(self, folder: str) -> Iterator[tuple[str, os.stat_result]]:
         """(name, lstat) of each entry of a folder, dot-files left out."""
-        if folder in LATER_FOLDERS and not self.has(folder):
-            return
-        fd = self.fd(folder)
-        for name in self.names(folder):
-            try:
-                yield name, os.stat(name, dir_fd=fd, follow_symlinks=False)
-            except FileNotFoundError:
-                continue
+        found = []
+        with self._looking_in(folder) as fd:
+            if fd is None:
+                return
+            for name in self.names(folder):
+                try:
+                    found.append((name, os.stat(name, dir_fd=fd, follow_symlinks=False)))
+                except FileNotFoundError:
+                    continue
+        yield from found
 
     def lstat(self, folder: str, name: str) -> os.stat_result:
         return os.stat(name, dir_fd=self.fd(folder), follow_symlinks=False)
@@ -1790,7 +1832,7 @@ def _is_dir(dir_fd: int, name: str) -> bool:
         return False
 
 
-def _make_later_folder(root: str, folder: str, flags: int, fds: dict[str, int]) -> None:
+def _make_later_folder(root: str, folder: str) -> None:
     """Make a folder of LATER_FOLDERS in a spool made before it, as its
     owner only, with the mode of its kind; leave it out when it cannot be made."""
     try:
@@ -1798,13 +1840,12 @@ def _make_later_folder(root: str, folder: str, flags: int, fds: dict[str, int]) 
         if root_st.st_uid != os.geteuid():
             return
         shared = bool(root_st.st_mode & stat.S_ISGID and root_st.st_mode & 0o070)
-        mode = 0o700 if folder == "order" else _folder_mode(folder, shared)
+        mode = _folder_mode(folder, shared)
         try:
             os.mkdir(os.path.join(root, folder), mode)
             os.chmod(os.path.join(root, folder), mode, follow_symlinks=False)
         except FileExistsError:
             pass
-        fds[folder] = os.open(os.path.join(root, folder), flags)
     except OSError:
         return
 
@@ -1939,6 +1980,10 @@ def _open_folders(root: str, create: bool, fds: dict[str, int]) -> None:
     for folder in FOLDERS:
         path = os.path.join(root, folder)
         try:
+            if folder in LATER_FOLDERS:  # opened when first used (SpoolDir.fd): a worker's descriptors are counted
+                if not os.path.isdir(path):
+                    _make_later_folder(root, folder)
+                continue
             fds[folder] = os.open(path, flags)
         except FileNotFoundError:
             if folder == "workers" and create:
@@ -1948,7 +1993,7 @@ def _open_folders(root: str, create: bool, fds: dict[str, int]) -> None:
             elif folder == "workers":
                 continue
             elif folder in LATER_FOLDERS:
-                _make_later_folder(root, folder, flags, fds)
+                _make_later_folder(root, folder)
             elif not os.path.isdir(os.path.join(root, "new")):
                 raise NotASpool(root) from None
             else:
