@@ -26,6 +26,7 @@ from spoolq.record import parse_time
 def main() -> None:
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     fsync = "--fsync" in sys.argv
+    os.makedirs(args[0], exist_ok=True)
     path = os.path.join(args[0], "chain-spool")
     links = int(args[1]) if len(args) > 1 else 1000
     spool = Spool(path)
