@@ -1380,7 +1380,7 @@ def convert_files(spool: SpoolDir) -> list[str]:
     me, owner = os.geteuid(), spool.owner
     counts = dict.fromkeys(("tightened", "given", "left_root", "to_drop", "to_dead", "removed", "folders"), 0)
     for folder in ("tmp",) + STATES + ("workers",):
-        if folder not in spool._fds:
+        if folder not in spool._fds and not (folder in LATER_FOLDERS and spool.has(folder)):
             continue
         dir_fd = spool.fd(folder)
         with os.scandir(dir_fd) as it:
@@ -2084,7 +2084,7 @@ def is_layout(path: str) -> bool:
     with only tmp/ new/ cur/, is not a spool). workers/ and drop/ are not
     asked for: an older spool may lack them. Only stat: a member of a
     shared spool, who may not list every folder, is told it is in a spool."""
-    return all(os.path.isdir(os.path.join(path, folder)) for folder in ("new", "tmp") + STATES[1:])
+    return all(os.path.isdir(os.path.join(path, folder)) for folder in ("new", "tmp", "cur", "failed", "dead", "done"))
 
 
 def refuse_inside_spool(path: str) -> None:
