@@ -11,9 +11,10 @@ gives: ``path``, ``dir``, ``settings``, ``context()``, ``index()`` and
 from __future__ import annotations
 
 import os
+import time
 from typing import Any, Callable, Iterator
 
-from .. import record
+from .. import config, record
 from ..errors import InvalidJob, NotPossible, NotRegular
 from ..owners import user_name
 from .protocol import DROP, REPLY_SUFFIX, STATES, file_name, id_of, id_problem, listed_names
@@ -67,7 +68,32 @@ class DirReads:
             job["mtime"] = record.rfc3339(st.st_mtime)
             if state in ("new", "failed"):
                 job["due_at"] = record.rfc3339(st.st_mtime)
+        if state in ("new", "failed", "held", "waiting") and job.get("valid") is not False:
+            why = self._why(job, state, st)
+            if why:
+                job["why"] = why
         return job
+
+    def _why(self, job: dict[str, Any], state: str, st: os.stat_result | None) -> str | None:
+        """Why a waiting job is not running (None: nothing keeps it but a free worker)."""
+        from .ordering import holders, outcome_state  # imported here: start-up speed
+
+        if state == "held":
+            return f"held (spoolq release {job['id']})"
+        try:
+            if state == "waiting":
+                deps = [d for d in record.after_of(job)
+                        if outcome_state(self.dir, self._history, d) == "unfinished"]
+                return f"waiting for job {', '.join(deps)}" if deps else "its dependencies have finished: released soon"
+            if st is not None and st.st_mtime > time.time():
+                return f"not due until {record.rfc3339(st.st_mtime)}"
+            for name in record.locks_of(job):
+                taken = holders(self.order, name)
+                if len(taken) >= config.lock_limit(self.settings, name):
+                    return f"lock {name} held by job {', '.join(taken)}"
+        except (InvalidJob, TypeError, AttributeError):
+            return None
+        return None
 
     def _listed(self, state: str, name: str, st: os.stat_result | None = None) -> dict[str, Any]:
         """What the listing tells of a file whose record this user may not
@@ -216,6 +242,7 @@ class DirReads:
                         listed[state] = [i for i in listed[state] if i not in folded]
         counts.update(dead=len(listed["dead"]), done=len(listed["done"]) + compacted, done_files=len(listed["done"]),
                       compacted=compacted, dead_purged=purged)
+        counts.update(held=self.dir.count("held"), waiting=self.dir.count("waiting"))
         from .registry import live_workers  # imported here: start-up speed (as in get())
 
         if self.dir.shared and not self.dir.member:
