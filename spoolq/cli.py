@@ -596,6 +596,8 @@ def _summary(job: dict[str, Any]) -> str:
         line += "  [record readable by the spool's owner only]"
     if job["state"] == "dead" and job.get("compacted"):
         line += "  [purged into index.db]"
+    if job.get("priority"):
+        line += f"  [priority {job['priority']}]"
     if job.get("waits_for_handler"):
         line += f"  [{output.waits_for_handler(job)}]"
     elif job.get("why"):

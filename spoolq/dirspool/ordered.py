@@ -5,7 +5,8 @@ moves are waits.py's, the files of order/ ordering.py's.
 
 A member of a shared spool enqueues into drop/, from which the owner's
 worker takes jobs in: priority, lock and held are honoured there (the
-worker reads them as it claims the job, as from any dropped file);
+pickup marks a priority as it takes the job in; lock and held are read as
+the job is claimed, as from any dropped file);
 dependencies and unique keys are refused, since what they promise at
 enqueue (an unknown dependency refused, a key's holder's id printed)
 cannot be known from the member's side.

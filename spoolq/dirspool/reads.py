@@ -278,7 +278,9 @@ class DirReads:
     ) -> Iterator[dict[str, Any]]:
         """Records oldest first, by (due or finish time = file mtime, name).
         ``state`` picks one folder; done includes compacted jobs, dead the
-        ones purged into the index."""
+        ones purged into the index. The jobs of new/ or failed/ alone are
+        listed in the order a worker takes them: the highest priority
+        first (its marker's), then as above."""
         self._open()
         states = (state,) if state else STATES
         found = []
@@ -288,6 +290,10 @@ class DirReads:
                     continue
                 found.append((st.st_mtime_ns, name, st_name))
         found.sort()
+        if state in ("new", "failed"):
+            marks = self.order.priorities()
+            if marks:
+                found.sort(key=lambda f: -marks.get(f[1], 0))  # (stable: due time within a priority)
         finished = tuple(s for s in ("done", "dead") if s in states)
         index = self.index() if finished else None
         if index is None:

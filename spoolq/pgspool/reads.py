@@ -42,7 +42,8 @@ ROW = f"""SELECT j.id, j.state, j.record, j.at, j.valid, j.reason, j.purged, w.w
            WHERE d.id = ANY(j.after) AND d.state <> 'done' ORDER BY d.id) END AS waits_for,
        CASE WHEN j.state IN ('new', 'failed') AND j.locks IS NOT NULL THEN (SELECT json_agg(json_build_array(n,
            ARRAY(SELECT r.id FROM spoolq.jobs r WHERE r.state = 'running' AND r.locks @> ARRAY[n] ORDER BY r.id)))
-           FROM unnest(j.locks) AS n) END AS lock_holders
+           FROM unnest(j.locks) AS n) END AS lock_holders,
+       j.priority
 FROM spoolq.jobs j LEFT JOIN spoolq.workers w ON w.id = j.worker AND j.state = 'running'"""
 
 
@@ -51,7 +52,7 @@ def shaped(row: tuple, limits: dict | None = None) -> dict[str, Any]:
     where it is, and what else the row says (the due time of a waiting job,
     the worker of a running one, the reason a dead one can never run, why
     a waiting one does not run; ``limits``: the lock_limits setting)."""
-    job_id, state, text, at, valid, reason, purged, worker, live, unhandled, waits_for, lock_holders = row
+    job_id, state, text, at, valid, reason, purged, worker, live, unhandled, waits_for, lock_holders, _ = row
     job: dict[str, Any] | None = None
     problem = reason
     if valid:
@@ -116,11 +117,15 @@ def listing(conn, state: str | None = None, limit: int | None = None,
             since: float | None = None, limits: dict | None = None) -> Iterator[dict[str, Any]]:
     """Records oldest first, by (due or finish time, id); ``state`` is one
     of the shown names (dead includes those purged into the history,
-    marked ``purged``). Read a page at a time: a long listing holds no
-    transaction open."""
+    marked ``purged``). The jobs of new or failed alone are listed in the
+    order a worker takes them: the highest priority first. Read a page at
+    a time: a long listing holds no transaction open."""
     # The states written out (they are STORED's, never the caller's text):
     # the planner then sees which partial index covers them.
     states = ", ".join(f"'{s}'" for s in ([STORED[state]] if state else list(SHOWN)))
+    # The claims' order, (-priority, at, id), for the waiting states alone.
+    ranked = state in ("new", "failed")
+    rank = "-j.priority" if ranked else "(0)"
     after: tuple | None = None
     left = limit
     while left is None or left > 0:
@@ -128,15 +133,15 @@ def listing(conn, state: str | None = None, limit: int | None = None,
         params: dict[str, Any] = {"since": since if since is not None else 0.0, "page": page}
         keyset = ""
         if after is not None:
-            keyset = "AND (j.at, j.id) > (%(at)s, %(id)s)"
-            params.update(at=after[0], id=after[1])
-        rows = conn.execute(ROW + f""" WHERE j.state IN ({states})
-              AND j.at >= to_timestamp(%(since)s) {keyset} ORDER BY j.at, j.id LIMIT %(page)s""", params).fetchall()
+            keyset = f"AND ({rank}, j.at, j.id) > (%(rank)s, %(at)s, %(id)s)"
+            params.update(rank=after[0], at=after[1], id=after[2])
+        rows = conn.execute(ROW + f""" WHERE j.state IN ({states}) AND j.at >= to_timestamp(%(since)s) {keyset}
+              ORDER BY {"-j.priority, " if ranked else ""}j.at, j.id LIMIT %(page)s""", params).fetchall()
         for row in rows:
             yield shaped(row, limits)
         if len(rows) < page:
             return
-        after = (rows[-1][3], rows[-1][0])
+        after = (-rows[-1][-1] if ranked else 0, rows[-1][3], rows[-1][0])
         if left is not None:
             left -= len(rows)
 

@@ -257,3 +257,36 @@ def test_a_lock_outlives_a_worker_killed_alone_until_its_jobs_processes_end(sq, 
     sq.run("work", timeout=300)  # (recovery: the killed worker's job runs again)
     assert sq.show(first)["state"] == "done"
     assert "overlap" not in log.read_text(), log.read_text()
+
+
+def test_list_shows_the_priority_and_lists_waiting_jobs_in_the_order_they_run(sq):
+    for name, priority in (("low", -5), ("plain", 0), ("high", 9), ("mid", 3)):
+        sq.enqueue("--id", name, "--priority", str(priority), "true")
+    assert [j["id"] for j in sq.listing("--state", "new")] == ["high", "mid", "plain", "low"]
+    assert [j.get("priority", 0) for j in sq.listing("--state", "new")] == [9, 3, 0, -5]
+    lines = sq.run("list", "--state", "new").stdout.splitlines()
+    assert "[priority 9]" in lines[0] and "priority" not in lines[2]
+
+
+def test_a_dependency_compacted_into_the_history_counts_by_its_outcome(sq):
+    sq.enqueue("--id", "old", "true")
+    sq.enqueue("--id", "old-dead", "--max-attempts", "1", "false")
+    sq.run("work")
+    sq.run("compact", "--keep", "1d")
+    sq.run("purge", "--dead", "--older-than", "0s", "--yes", check=False)
+    job_id = sq.enqueue("--after", "old", "true")
+    assert sq.show(job_id)["state"] == "new"
+    refused = sq.fail("enqueue", "--after", "old-dead", "true")
+    assert refused.returncode == 1 and "old-dead ended dead" in refused.stderr
+
+
+def test_the_api_returns_the_holders_id_for_a_unique_key(sq):
+    spool = sq.api()
+    first = spool.enqueue(command="true", unique="nightly")
+    told = []
+    assert spool.enqueue(command="echo again", unique="nightly") == first
+    assert spool.enqueue_job({"command": "true", "unique": "nightly"}, on_existing=told.append) == first
+    assert told == [first] and [j["id"] for j in spool.list()] == [first]
+    spool.hold(first)
+    assert spool.get(first)["state"] == "held"
+    assert spool.release(first, now=True) == "new"
