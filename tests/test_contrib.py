@@ -147,7 +147,8 @@ def test_the_crontab_lock_skips_a_second_worker_and_follows_no_symlink_a_member_
 
 
 @pytest.mark.parametrize("script, args", [("big-folder.py", ["300"]), ("lean-drain.py", ["300", "1"]),
-                                          ("pickup.py", ["300", "1"]), ("chain.py", ["20"])])
+                                          ("pickup.py", ["300", "1"]), ("chain.py", ["20"]),
+                                          ("cpu-per-job.py", ["300"])])
 def test_the_bench_scripts_run_and_report(tmp_path, script, args):
     """contrib/bench scripts behind README figures still run (tiny sizes;
     their figures are only printed, never asserted)."""

@@ -200,9 +200,11 @@ class Order:
         has no subfolder, and its link count says so (where the filesystem
         counts them). An edge made after this look is the enqueuer's to
         settle: it looks at the dependency again once its job is published."""
-        path = os.path.join(self.spool.root, "order", "deps")
+        root = self._root()  # (order/'s descriptor, kept: one short look a finish)
+        if root is None:
+            return False
         try:
-            return os.stat(path).st_nlink != 2
+            return os.stat("deps", dir_fd=root, follow_symlinks=False).st_nlink != 2
         except FileNotFoundError:
             self._make("deps")  # made once: the next look costs one stat
             return False
