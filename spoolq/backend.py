@@ -43,13 +43,17 @@ class Unavailable(SpoolError):
 class Claim:
     """A job this worker holds: its record, its id, the run number this
     claim is and when it was due (epoch seconds). ``held`` is the backend's
-    own, opaque above the port (a locked file; a row and its token)."""
+    own, opaque above the port (a locked file; a row and its token).
+    ``keep``: descriptors the job's processes must hold for as long as any
+    of them lives (what the backend ties to the run, such as a lock that
+    must outlive a worker killed while they run)."""
 
     job: dict
     job_id: str
     attempt: int
     due: float
     held: Any = None
+    keep: tuple[int, ...] = ()
 
 
 @dataclass
@@ -145,9 +149,11 @@ class Commit(Protocol):
         """Whether the dispatcher should commit before its next claim."""
     def beside_run(self) -> None:
         """A little of the pending work, done while a job's process runs."""
-    def commit(self, age: float = 0.0) -> None:
+    def commit(self, age: float = 0.0) -> Any:
         """Make durable what waits (what was finished ``age`` seconds ago
-        at least, where that matters), then tell the hooks."""
+        at least, where that matters), then tell the hooks. Returns
+        whether it made finishes durable that the hooks' ``left`` has not
+        told of as completed (then other jobs may run now: a dependent)."""
     def run(self, stop: threading.Event, age: float, on_error: Callable[[Exception], Any]) -> None:
         """A committer thread's body: commit what has waited long enough."""
     def stop(self, stop: threading.Event) -> None: ...
@@ -198,8 +204,11 @@ class Backend(Protocol):
         a caution to log once, or None."""
 
     # -- producers ---------------------------------------------------------
-    def enqueue(self, jobs: list[tuple[str, Any, float | None]], existing_ok: bool = False) -> list[str]:
-        """One durable batch of (id, record, due epoch seconds or None)."""
+    def enqueue(self, jobs: list[tuple[str, Any, float | None]], existing_ok: bool = False,
+                on_existing: Callable[[str, str], None] | None = None) -> list[str]:
+        """One durable batch of (id, record, due epoch seconds or None). A
+        job whose unique key an unfinished job holds is not added: that
+        job's id stands in for it, told to ``on_existing(id, holder)``."""
     def has_id(self, job_id: str) -> Any:
         """Whether a job has this id, in any state or the history (a true
         value may say where, for the message)."""
@@ -232,6 +241,10 @@ class Backend(Protocol):
     def compact(self, keep: float | None = None) -> dict[str, Any]: ...
     def purge_dead(self, older_than: float) -> dict[str, int]: ...
     def sweep(self) -> Report: ...
+    def hold(self, job_id: str) -> None:
+        """A waiting job held: never claimed until released (JobNotFound, NotPossible)."""
+    def release_held(self, job_id: str, now: bool = False) -> str:
+        """A held job waiting again, due as it was (or ``now``); returns its state."""
 
     # -- the worker --------------------------------------------------------
     def register(self, kinds: list[str], tuning: Any = None) -> WorkerReg:
@@ -306,19 +319,20 @@ class PlainCommit:
     def beside_run(self) -> None:
         pass
 
-    def commit(self, age: float = 0.0) -> None:
+    def commit(self, age: float = 0.0) -> bool:
         with self._commit_lock:
             with self._lock:
                 pending, self._pending = self._pending, []
             if not pending:
-                return
+                return False
             try:
                 self.backend.commit([finished for finished, _ in pending])
             except Exception as e:
                 self.hooks.failed(None, f"cannot commit finished jobs: {type(e).__name__}: {e}", "")
-                return
+                return False
         for finished, outcome in pending:
             self.hooks.durable(finished, outcome)
+        return True
 
     def run(self, stop: threading.Event, age: float, on_error: Callable[[Exception], Any]) -> None:
         while not stop.wait(self.seconds / 2):

@@ -23,7 +23,7 @@ from .output import dumps, echo, fail, one_line
 from .spool import PartlyEnqueued, Spool, load_app
 from .words import did_you_mean
 
-STATE_CHOICE = click.Choice(["new", "cur", "failed", "dead", "done"])
+STATE_CHOICE = click.Choice(["new", "cur", "failed", "dead", "done", "held", "waiting"])
 # A member's cancel or retry that no worker answered in time: it waits in
 # drop/ and is carried out later (EX_TEMPFAIL, as mail tools say "queued").
 PENDING = 75
@@ -214,9 +214,16 @@ def init(ctx, group):
 @click.option("--env", "env", multiple=True, metavar="K=V", help="Add to the job's environment (repeatable).")
 @click.option("--cwd", metavar="DIR", help="Working directory of the run (default: the current directory).")
 @click.option("--wait", "wait_", is_flag=True, help="Then wait for the job to finish (exit status as `spoolq wait`).")
+@click.option("--priority", type=click.IntRange(-record.MAX_PRIORITY, record.MAX_PRIORITY),
+              help="Higher runs first among due jobs (default 0).")
+@click.option("--after", "after", metavar="ID[,ID...]", help="Start only once these jobs have succeeded.")
+@click.option("--unique", metavar="KEY", help="Add nothing while an unfinished job has this key (its id is printed).")
+@click.option("--lock", "lock", multiple=True, metavar="NAME",
+              help="Run while no other job holding NAME runs (repeatable; `lock_limits` raises the limit).")
+@click.option("--hold", "hold", is_flag=True, help="Enqueue it held: it runs once released (spoolq release).")
 @click.pass_context
 def enqueue(ctx, args, use_argv, kind, payload, job_json, jsonl, job_id, max_attempts, timeout, idle_timeout, delay, at,
-            env, cwd, wait_):
+            env, cwd, wait_, priority, after, unique, lock, hold):
     """Enqueue a job and print its id.
 
     One argument is a shell command (run by /bin/sh); several are a
@@ -230,6 +237,7 @@ def enqueue(ctx, args, use_argv, kind, payload, job_json, jsonl, job_id, max_att
       spoolq enqueue --json '{"command": "true", "max_attempts": 3}'
       spoolq enqueue '{"command": "true"}'     (one JSON object: the same as --json)
       spoolq enqueue --jsonl jobs.jsonl
+      spoolq enqueue --after 0190a1b2 --priority 5 --lock db ./migrate.sh
     """
     args, use_argv, job_json = _command_form(args, use_argv, kind, job_json, jsonl)
     options = _job_options(ctx, payload, job_id, max_attempts, timeout, delay, at, env, cwd)
@@ -238,6 +246,7 @@ def enqueue(ctx, args, use_argv, kind, payload, job_json, jsonl, job_id, max_att
             fail(f"--idle-timeout {_given(ctx, 'idle_timeout')} is too long: it is at most {record.MAX_TIMEOUT} "
                  "seconds (3650d)", 2)
         options["idle_timeout"] = idle_timeout
+    options.update(_order_options(priority, after, unique, lock, hold))
     spool = _existing(ctx)  # a mistyped path must not become a spool no worker reads
     if jsonl is not None:
         if job_id is not None:
@@ -256,10 +265,31 @@ def enqueue(ctx, args, use_argv, kind, payload, job_json, jsonl, job_id, max_att
             controlcli.wait_and_exit(spool, ids, None, False, False)
         return
     fields = _job_fields(args, use_argv, kind, job_json, options)
-    job_id = spool.enqueue_job(_cwd_here(fields))
+    job_id = spool.enqueue_job(_cwd_here(fields), on_existing=lambda holder: echo(
+        f"spoolq: job {holder} holds unique key {fields.get('unique')!r} and has not finished: nothing added",
+        err=True))
     _print_ids([job_id])
     if wait_:
         controlcli.wait_and_exit(spool, [job_id], None, False, False)
+
+
+def _order_options(priority, after, unique, lock, hold) -> dict[str, Any]:
+    """The fields of the options that decide when the job may run."""
+    options: dict[str, Any] = {}
+    if priority:
+        options["priority"] = priority
+    if after is not None:
+        ids = [word.strip() for word in after.split(",") if word.strip()]
+        if not ids:
+            fail(f"--after {after!r} names no job id", 2)
+        options["after"] = ids
+    if unique is not None:
+        options["unique"] = unique
+    if lock:
+        options["lock"] = list(lock) if len(lock) > 1 else lock[0]
+    if hold:
+        options["held"] = True
+    return options
 
 
 def _command_form(args, use_argv, kind, job_json, jsonl):
@@ -503,6 +533,9 @@ def status(ctx, as_json, prometheus):
     for state in ("new", "cur", "failed"):
         note = _abandoned(counts["abandoned"]) if state == "cur" else _unhandled(counts.get("unhandled") or {}) if state == "new" else ""
         echo(one_line(f"{state:<8}{counts[state]:>10}{note}"))
+    for state, what in (("held", "held until released"), ("waiting", "waiting for their dependencies")):
+        if counts.get(state):  # (shown only when some are: most spools never have any)
+            echo(f"{state:<8}{counts[state]:>10}  ({what})")
     purged = f"  (and {counts['dead_purged']} purged into index.db)" if counts.get("dead_purged") else ""
     echo(f"{'dead':<8}{counts['dead']:>10}{purged}")
     echo(f"{'done':<8}{counts['done']:>10}  ({counts['done_files']} in done/, {counts['compacted']} compacted)")
@@ -563,8 +596,12 @@ def _summary(job: dict[str, Any]) -> str:
         line += "  [record readable by the spool's owner only]"
     if job["state"] == "dead" and job.get("compacted"):
         line += "  [purged into index.db]"
+    if job.get("priority"):
+        line += f"  [priority {job['priority']}]"
     if job.get("waits_for_handler"):
         line += f"  [{output.waits_for_handler(job)}]"
+    elif job.get("why"):
+        line += f"  [{job['why']}]"
     return one_line(line)
 
 
@@ -621,6 +658,37 @@ def cancel(ctx, job_id):
     except RequestPending as e:
         fail(str(e), PENDING)
     echo(f"cancelled {job_id}")
+
+
+@cli.command(name="hold")
+@click.argument("job_id", metavar="ID", shell_complete=_id_completer("new", "failed", "waiting"))
+@click.pass_context
+def hold_job(ctx, job_id):
+    """Hold a waiting job: it stays, never claimed, until released; ID may be the start of one."""
+    output.refuse_bad_ids((job_id,))
+    spool = _existing(ctx)
+    try:
+        job_id = spool.resolve(job_id, ("new", "failed", "waiting", "held"), ())
+        spool.hold(job_id)
+    except (JobNotFound, NotPossible) as e:
+        fail(str(e), 1)
+    echo(f"held {job_id}")
+
+
+@cli.command(name="release")
+@click.argument("job_id", metavar="ID", shell_complete=_id_completer("held"))
+@click.option("--now", is_flag=True, help="Due now (by default it keeps its due time).")
+@click.pass_context
+def release_job(ctx, job_id, now):
+    """Release a held job: waiting again as before (new, failed, or waiting for its dependencies)."""
+    output.refuse_bad_ids((job_id,))
+    spool = _existing(ctx)
+    try:
+        job_id = spool.resolve(job_id, ("held",), ())
+        state = spool.release(job_id, now=now)
+    except (JobNotFound, NotPossible) as e:
+        fail(str(e), 1)
+    echo(f"released {job_id} ({state})")
 
 
 def _note(message: str) -> None:

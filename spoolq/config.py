@@ -18,7 +18,7 @@ from typing import Any
 
 from .errors import ConfigError, SpoolError  # noqa: F401 - importable from here too
 from .owners import check_owner_file
-from .record import MAX_TIMEOUT, parse_duration
+from .record import MAX_TIMEOUT, InvalidJob, parse_duration, validate_lock_name
 from .words import did_you_mean
 
 DEFAULTS: dict[str, Any] = {
@@ -41,6 +41,7 @@ DEFAULTS: dict[str, Any] = {
     "rescan_interval": 30,
     "app": "",
     "relay_to": "",
+    "lock_limits": {},
 }
 
 HELP = {
@@ -61,6 +62,7 @@ HELP = {
     "root_handlers": "a root worker runs handler jobs that others enqueued (as root)",
     "compact_after": "fold done/ into index.db when it holds more files (0 = never)",
     "rescan_interval": "seconds between full rescans in watch mode",
+    "lock_limits": "jobs holding a lock name that may run at once, by name, beyond the default 1 (gpu=2,db=4)",
     "app": "the handlers every worker loads when --app is not given (MODULE:ATTR, or MODULE for MODULE:HANDLERS)",
     "relay_to": "the PostgreSQL spool 'spoolq relay' moves this spool's jobs into (set by relay; status counts what waits)",
 }
@@ -188,6 +190,36 @@ def _app(key: str, value: Any) -> str:
     return value
 
 
+def _lock_limits(key: str, value: Any) -> dict[str, int]:
+    """Lock names and how many jobs holding each may run at once: a JSON
+    object, or ``NAME=N`` pairs separated by commas."""
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("{"):
+            try:
+                value = json.loads(text)
+            except ValueError:
+                value = None
+        else:
+            pairs = [word.strip().partition("=") for word in text.split(",") if word.strip()]
+            value = {name.strip(): n.strip() for name, eq, n in pairs} if all(eq for _, eq, _ in pairs) else None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{key} must be NAME=N pairs separated by commas (gpu=2,db=4) or a JSON object")
+    limits = {}
+    for name, n in value.items():
+        try:
+            validate_lock_name(name)
+        except InvalidJob as e:
+            raise ConfigError(f"{key}: {e}") from None
+        limits[name] = _number(f"{key}[{name!r}]", n, 1, integer=True)
+    return limits
+
+
+def lock_limit(settings: dict[str, Any], name: str) -> int:
+    """How many jobs holding lock ``name`` may run at once."""
+    return (settings.get("lock_limits") or {}).get(name, 1)
+
+
 def unknown(key: str) -> str:
     """The error for a setting spoolq does not know, with the one most
     likely meant, or else all of them."""
@@ -233,6 +265,8 @@ def check(key: str, value: Any, stored: bool = False) -> Any:
         return _app(key, value)
     if key == "relay_to":
         return _relay_to(key, value)
+    if key == "lock_limits":
+        return _lock_limits(key, value)
     raise AssertionError(key)
 
 

@@ -101,6 +101,11 @@ class ConfigError(ValueError):
     """A bad key or value; the message says which and why."""
 
 
+class UnmetDependency(InvalidJob):
+    """A job names a dependency the spool does not hold, or one that ended
+    dead or cancelled: refused at enqueue (the request cannot be done: exit 1)."""
+
+
 class JobNotFound(LookupError):
     """No job with that id in this spool."""
 

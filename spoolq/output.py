@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Any, NoReturn
 
-from .errors import ConfigError, DuplicateId, InvalidJob, NoSuchGroup, NotPossible, SpoolError
+from .errors import ConfigError, DuplicateId, InvalidJob, NoSuchGroup, NotPossible, SpoolError, UnmetDependency
 from .ids import id_problem
 from .record import rfc3339
 
@@ -121,6 +121,8 @@ def fail_for(error: BaseException) -> NoReturn:
 
     1: the request could not be done; 2: invalid input or settings;
     130: interrupted; 141: the reader of stdout went away."""
+    if isinstance(error, UnmetDependency):
+        fail(str(error), 1)
     if isinstance(error, (InvalidJob, ConfigError, NoSuchGroup)):
         fail(str(error), 2)
     if isinstance(error, (DuplicateId, SpoolError)):

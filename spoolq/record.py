@@ -5,7 +5,8 @@ produced. Pure: no file is read or written here.
 
 A job file is a UTF-8 JSON object. Producers write a few fields (``command``
 or ``argv`` or ``kind``, ``payload``, ``id``, ``max_attempts``, ``timeout``,
-``run_at``, ``env``, ``cwd``); spoolq adds its own (``state``, ``attempts``,
+``run_at``, ``env``, ``cwd``, and what decides when it runs: ``priority``,
+``after``, ``unique``, ``lock``, ``held``); spoolq adds its own (``state``, ``attempts``,
 ``history`` ...). Unknown fields are kept as they are. A field set to null
 counts as absent.
 """
@@ -28,7 +29,15 @@ MAX_TIMEOUT = 10 * 365 * 86400  # ten years: beyond it select() and timers overf
 
 TARGETS = ("command", "argv", "kind")
 # The fields a producer writes (see SPOOLQ_FIELDS for spoolq's own).
-PRODUCER_FIELDS = TARGETS + ("payload", "id", "max_attempts", "timeout", "idle_timeout", "run_at", "env", "cwd")
+PRODUCER_FIELDS = TARGETS + ("payload", "id", "max_attempts", "timeout", "idle_timeout", "run_at", "env", "cwd",
+                             "priority", "after", "unique", "lock", "held")
+
+MAX_PRIORITY = 9999  # priorities run from -MAX_PRIORITY to MAX_PRIORITY (a short prefix of a file name)
+MAX_AFTER = 1000  # dependencies one job may name
+MAX_LOCKS = 16  # lock names one job may hold
+MAX_UNIQUE = 200  # characters of a unique key
+# A lock name is a file name in every backend: an id's characters, at most 64.
+_LOCK_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}\Z")
 
 
 # --------------------------------------------------------------------------
@@ -278,6 +287,83 @@ def _validate(job: dict, name_id: str | None) -> None:
     history = job.get("history")
     if history is not None and not isinstance(history, list):
         raise InvalidJob("history must be a list")
+    _validate_ordering(job, name_id if name_id is not None else job.get("id"))
+
+
+ORDERING_FIELDS = frozenset(("priority", "after", "unique", "lock", "held"))
+_ORDERING_MARKS = tuple(f'"{name}"' for name in sorted(ORDERING_FIELDS))
+_ORDERING_BYTES = tuple(mark.encode() for mark in _ORDERING_MARKS)
+
+
+def may_order(text: str | bytes) -> bool:
+    """Whether a record's text may hold an ordering field (False: it holds
+    none, known without parsing it: a field is its quoted name)."""
+    marks = _ORDERING_BYTES if isinstance(text, bytes) else _ORDERING_MARKS
+    return any(mark in text for mark in marks)
+
+
+def _validate_ordering(job: dict, own_id: Any) -> None:
+    """The fields that decide when a job may run: priority, after, unique, lock, held."""
+    if ORDERING_FIELDS.isdisjoint(job):  # (most jobs: one check, at every claim)
+        return
+    priority = job.get("priority")
+    if priority is not None and (not isinstance(priority, int) or isinstance(priority, bool)
+                                 or not -MAX_PRIORITY <= priority <= MAX_PRIORITY):
+        raise InvalidJob(f"priority must be an integer from {-MAX_PRIORITY} to {MAX_PRIORITY}, not {repr(priority)[:40]}")
+    after = job.get("after")
+    if after is not None:
+        ids = after if isinstance(after, list) else [after]
+        if not ids or len(ids) > MAX_AFTER:
+            raise InvalidJob(f"after must be a job id or a list of 1 to {MAX_AFTER} job ids")
+        for dep in ids:
+            problem = id_problem(dep)
+            if problem:
+                raise InvalidJob(f"after: {problem}")
+            if dep == own_id:
+                raise InvalidJob(f"after: job {dep} cannot wait for itself")
+    unique = job.get("unique")
+    if unique is not None:
+        if not isinstance(unique, str) or not unique or len(unique) > MAX_UNIQUE:
+            raise InvalidJob(f"unique must be a non-empty string of at most {MAX_UNIQUE} characters")
+        _text(unique, "unique")
+    lock = job.get("lock")
+    if lock is not None:
+        names = lock if isinstance(lock, list) else [lock]
+        if not names or len(names) > MAX_LOCKS:
+            raise InvalidJob(f"lock must be a lock name or a list of 1 to {MAX_LOCKS} names")
+        for name in names:
+            validate_lock_name(name)
+    held = job.get("held")
+    if held is not None and not isinstance(held, bool):
+        raise InvalidJob(f"held must be true or false, not {repr(held)[:40]}")
+
+
+def validate_lock_name(name: Any) -> None:
+    if not isinstance(name, str) or not _LOCK_RE.match(name):
+        raise InvalidJob(f"lock name {repr(name)[:70]} is not 1-64 characters of A-Z a-z 0-9 . _ - "
+                         "(not starting with a dot)")
+
+
+def priority_of(job: dict) -> int:
+    """A valid record's priority (0 when it has none)."""
+    return job.get("priority") or 0
+
+
+def after_of(job: dict) -> list[str]:
+    """The ids a valid record waits for, each once, in its order."""
+    after = job.get("after")
+    if after is None:
+        return []
+    return list(dict.fromkeys(after if isinstance(after, list) else [after]))
+
+
+def locks_of(job: dict) -> list[str]:
+    """The lock names a valid record holds while it runs, each once, sorted
+    (every worker takes them in one order)."""
+    lock = job.get("lock")
+    if lock is None:
+        return []
+    return sorted(set(lock if isinstance(lock, list) else [lock]))
 
 
 def _validate_env(env: Any) -> None:

@@ -272,7 +272,7 @@ def _in_place(cwd: str) -> bool:
 
 
 def _spawn(argv: list[str], env: dict[str, str], cwd: str | None, fds: tuple[int, int, int],
-           close: list[int], threaded: bool, user: Any = None):
+           close: list[int], threaded: bool, user: Any = None, keep: tuple[int, ...] = ()):
     """Start a job's process as the leader of a new session with ``fds`` as
     its stdin, stdout and stderr, closing ``close`` and every close-on-exec
     descriptor. posix_spawn (a vfork and exec, without Popen's Python-side
@@ -283,18 +283,20 @@ def _spawn(argv: list[str], env: dict[str, str], cwd: str | None, fds: tuple[int
     at or above the soft open-file limit (inherited from a parent with a
     higher one), which the C library refuses to put in a close action.
     ``user`` (a password entry) is whom to run it as: Popen sets its groups
-    (as initgroups would), group and user in the child, before the exec."""
+    (as initgroups would), group and user in the child, before the exec.
+    ``keep``: descriptors the process inherits (at their numbers), which
+    Popen passes."""
     def popen() -> subprocess.Popen:
         ids = {}
         if user is not None:
             ids = {"user": user.pw_uid, "group": user.pw_gid,
                    "extra_groups": os.getgrouplist(user.pw_name, user.pw_gid)}
         return subprocess.Popen(argv, stdin=fds[0], stdout=fds[1], stderr=fds[2], cwd=cwd, env=env,
-                                start_new_session=True, close_fds=True, **ids)
+                                start_new_session=True, close_fds=True, pass_fds=keep, **ids)
 
     if cwd is not None and _in_place(cwd):
         cwd = None
-    if cwd is not None or threaded or user is not None or (close and max(close) >= procs.open_file_limit()):
+    if cwd is not None or threaded or user is not None or keep or (close and max(close) >= procs.open_file_limit()):
         return popen()
     actions = [(os.POSIX_SPAWN_DUP2, fds[0], 0), (os.POSIX_SPAWN_DUP2, fds[1], 1), (os.POSIX_SPAWN_DUP2, fds[2], 2)]
     actions += [(os.POSIX_SPAWN_CLOSE, fd) for fd in close if fd not in fds]
@@ -525,6 +527,7 @@ class RunPlan:
     spin: float = 0.0
     user: Any = None  # a password entry: run the command as this user (a root worker)
     on_exit: Callable[[RunHandle], None] | None = None  # told once its process is reaped, before its files are read and closed
+    keep: tuple[int, ...] = ()  # descriptors the command's processes inherit (the claim's ``keep``)
 
 
 def run_process(job: dict, plan: RunPlan) -> Outcome:
@@ -654,7 +657,8 @@ class _Exec:
         try:
             stdin = self.stdin if self.stdin is not None else _stdin_devnull()
             return _spawn(argv, env, cwd, (stdin, outputs[0], outputs[1]),
-                          inheritable_fds() if plan.close is None else plan.close, plan.threaded, plan.user)
+                          inheritable_fds() if plan.close is None else plan.close, plan.threaded, plan.user,
+                          plan.keep)
         except OSError as e:
             where = f": {e.filename}" if e.filename else ""
             out.error = f"cannot start: {e.strerror or e}{where}"

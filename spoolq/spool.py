@@ -209,13 +209,16 @@ class Spool(JobControl, Logs):
         )
         return self.enqueue_job(fields)
 
-    def enqueue_job(self, fields: Mapping[str, Any]) -> str:
-        """Enqueue a whole job object (the form of a job file)."""
+    def enqueue_job(self, fields: Mapping[str, Any], on_existing: Callable[[str], None] | None = None) -> str:
+        """Enqueue a whole job object (the form of a job file). A job with
+        a ``unique`` key an unfinished job holds adds nothing: that job's id
+        is returned (and told to ``on_existing``)."""
         self.backend.open(create=True)
         job_id, data, due = self._prepare(fields, time.time())
         if fields.get("id") is not None:
             self._check_unique(job_id)
-        return self.backend.enqueue([(job_id, data, due)])[0]
+        told = None if on_existing is None else (lambda asked, holder: on_existing(holder))
+        return self.backend.enqueue([(job_id, data, due)], on_existing=told)[0]
 
     def enqueue_many(self, jobs: list[Mapping[str, Any]]) -> list[str]:
         """Enqueue many jobs with one sync for the lot (group commit).
@@ -344,6 +347,17 @@ class Spool(JobControl, Logs):
             if check:
                 raise
             return False
+
+    def hold(self, job_id: str) -> None:
+        """Hold a waiting job: it stays in the spool and is never claimed
+        until released. JobNotFound or NotPossible say why not."""
+        self.backend.hold(job_id)
+
+    def release(self, job_id: str, now: bool = False) -> str:
+        """Release a held job: waiting again as before it was held (due when
+        it was, or ``now``). Returns the state it is in now (new, failed,
+        or waiting for its dependencies)."""
+        return self.backend.release_held(job_id, now)
 
     def retry_all(self, on_problem: Callable[[str], None] | None = None,
                   on_note: Callable[[str], None] | None = None) -> list[str]:

@@ -562,9 +562,9 @@ class Worker:
 
     def _wait(self, look: Any) -> bool:
         """Nothing changed since the last look: wait (or end a drain)."""
-        self.commit.commit()
-        if self._finished_since_scan:
-            pass  # finished jobs moved on since (a retry may be due at once): look again
+        committed = self.commit.commit()
+        if self._finished_since_scan or committed:
+            pass  # finished jobs moved on since (a retry, a dependent may be due at once): look again
         elif look.busy and self._busy_rounds < BUSY_RETRIES:
             # Another worker held a due job for a moment: it was claiming
             # it, or prepared it ahead and may let it go. No event will say
@@ -717,6 +717,7 @@ class Worker:
             return Outcome(start=now, end=now, error=f"cannot start: uid {job['run_as']} has no entry in the password database")
         plan.env = job_env(self._base_env, job, claimed.attempt, self.backend.location, self.registration.worker_id, plan.user)
         plan.close = self._spawn_closes
+        plan.keep = claimed.keep
         for name, value in strategy.process_options().items():
             setattr(plan, name, value)
         out = run_process(job, plan)

@@ -25,7 +25,7 @@ def test_init_creates_private_layout_and_is_idempotent(tmp_path):
         assert stat.S_ISDIR(st.st_mode)
         assert stat.S_IMODE(st.st_mode) == 0o700
     s.run("init")  # again: no error, nothing changes
-    assert sorted(os.listdir(s.path)) == sorted(["tmp", "workers", *STATES])
+    assert sorted(os.listdir(s.path)) == sorted(["tmp", "workers", "order", "held", "waiting", *STATES])
 
 
 def test_enqueue_writes_a_private_job_file(tmp_path):

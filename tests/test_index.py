@@ -220,7 +220,7 @@ def test_prometheus_output_parses(fast_spool):
     text = s.run("status", "--prometheus").stdout
     families = {f.name: f for f in text_string_to_metric_families(text)}
     jobs = {smp.labels["state"]: smp.value for smp in families["spoolq_jobs"].samples}
-    assert jobs == {"new": 1, "cur": 0, "failed": 1, "dead": 0, "done": 1}
+    assert jobs == {"new": 1, "cur": 0, "failed": 1, "dead": 0, "done": 1, "held": 0, "waiting": 0}
     assert families["spoolq_jobs_compacted"].samples[0].value == 3
     assert families["spoolq_finished_jobs"].type == "counter"
     finished = {smp.labels["result"]: smp.value for smp in families["spoolq_finished_jobs"].samples}

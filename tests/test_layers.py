@@ -28,11 +28,12 @@ LAYERS = [
     ["pool"],
     # The directory spool, behind the port (imported only by the facade and bench):
     ["dirspool.mounts", "dirspool.protocol"],  # which filesystem the spool is on; paths, locks, syncs, renames
-    ["dirspool.control", "dirspool.registry", "dirspool.watcher"],
+    ["dirspool.control", "dirspool.ordering", "dirspool.registry", "dirspool.watcher"],  # ordering: the order/ folder's files
     ["dirspool.commit", "dirspool.index", "dirspool.transitions"],
+    ["dirspool.waits"],  # held jobs and dependents: their moves
     ["dirspool.autocompact", "dirspool.compact", "dirspool.metrics", "dirspool.pickup", "dirspool.recovery"],
     ["dirspool.passes", "dirspool.reads"],  # a worker's walk over the due jobs; the read side
-    ["dirspool.working"],  # the worker's verbs
+    ["dirspool.ordered", "dirspool.working"],  # the ordering verbs (hold, release, an ordered enqueue); the worker's verbs
     ["dirspool.backend"],  # DirBackend: the port over a spool directory
     ["pgspool"],  # the PostgreSQL spool, behind the port (see test_pg_layers.py)
     ["follow", "jobcontrol", "top"],  # the facade's logs; wait, kill, stop, pause; the live view (through the port)

@@ -76,7 +76,7 @@ def test_a_database_without_the_schema_is_no_spool_and_init_makes_it_once(pg_url
     assert backend.init() == []
     assert backend.init() == []  # idempotent
     with psycopg.connect(pg_url) as conn:
-        assert conn.execute("SELECT array_agg(version) FROM spoolq.schema_version").fetchone()[0] == [1]
+        assert conn.execute("SELECT array_agg(version) FROM spoolq.schema_version").fetchone()[0] == [1, 2]
     assert backend.counts()["new"] == 0
     backend.close()
 
@@ -89,7 +89,7 @@ def test_inits_at_once_make_the_schema_once(pg_url):
     for p in procs:
         assert p.wait(timeout=120) == 0, p.stderr.read()
     with psycopg.connect(pg_url) as conn:
-        assert conn.execute("SELECT count(*) FROM spoolq.schema_version").fetchone()[0] == 1
+        assert conn.execute("SELECT count(*) FROM spoolq.schema_version").fetchone()[0] == 2
 
 
 def test_a_schema_newer_than_spoolq_is_refused_in_one_line(pg_spool_url):

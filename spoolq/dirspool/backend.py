@@ -31,6 +31,7 @@ from ..output import blocked_by
 from ..owners import user_name
 from . import mounts
 from .protocol import DROP, STATES, SpoolDir, file_name, id_of, id_problem, refuse_inside_spool, refuse_non_directory, refuse_swappable_way
+from .ordered import OnExisting, OrderSide, ordered
 from .reads import DirReads
 from .working import WorkerSide
 
@@ -39,7 +40,7 @@ from .working import WorkerSide
 REQUEST_WAIT = 10.0
 
 
-class DirBackend(DirReads, WorkerSide):
+class DirBackend(DirReads, WorkerSide, OrderSide):
     """A spool directory behind the storage port."""
 
     def __init__(self, path: str):
@@ -182,7 +183,7 @@ class DirBackend(DirReads, WorkerSide):
         """The transition context (settings, trust, index look-ups)."""
         from .transitions import Context  # imported here: start-up speed (transitions pulls in the runner and subprocess)
 
-        return Context(self.dir, self.settings, index_has=self._index_has)
+        return Context(self.dir, self.settings, index_has=self._index_has, index_get=self._history)
 
     def _open(self, create: bool = False) -> None:
         # The folders first: what is wrong with them (a loose mode, another
@@ -256,25 +257,28 @@ class DirBackend(DirReads, WorkerSide):
             return "the index (a compacted job)"
         return None
 
-    def enqueue(self, jobs: list[tuple[str, Any, float | None]], existing_ok: bool = False) -> list[str]:
+    def enqueue(self, jobs: list[tuple[str, Any, float | None]], existing_ok: bool = False,
+                on_existing: OnExisting | None = None) -> list[str]:
         """Put jobs (id, record bytes, due time or None) into new/ -- or, for
         a member of a shared spool, into drop/ for the owner's side to pick
         up -- with one sync for the lot. Raises DuplicateId for an id taken
-        meanwhile, PartlyEnqueued when the disk failed part way."""
+        meanwhile, PartlyEnqueued when the disk failed part way. Jobs with
+        ordering fields go where those put them (see ordered.py), and a job
+        whose unique key an unfinished job holds is not added: that job's id
+        stands in for it, told to ``on_existing(id, holder)``."""
         self._open(create=True)
         items = [(file_name(job_id), data, None if due is None else int(due * 1e9)) for job_id, data, due in jobs]
-        folder = DROP if self.dir.drops_in else "new"
+        placed = [ordered(data) for _, data, _ in jobs]
+        if any(placed):
+            return self._enqueue_ordered(items, placed, on_existing)
         if len(items) == 1:
             try:
-                if self.dir.drops_in:
-                    self.dir.drops.put(items)
-                else:
-                    self.dir.publish(*items[0])
-            except Exists:
+                return [self._publish_one(*items[0])]
+            except DuplicateId:
                 if existing_ok:
                     return [jobs[0][0]]
-                raise DuplicateId(f"id {jobs[0][0]} is already in {folder}/") from None
-            return [jobs[0][0]]
+                raise
+        folder = DROP if self.dir.drops_in else "new"
         try:
             names = self.dir.drops.put(items) if self.dir.drops_in else self.dir.publish_many(items)
         except BaseException as e:
@@ -289,6 +293,17 @@ class DirBackend(DirReads, WorkerSide):
             # that tries the whole batch again runs them twice.
             raise PartlyEnqueued(published, len(items), cause) from e
         return [id_of(n) for n in names]
+
+    def _publish_one(self, name: str, data: bytes, mtime_ns: int | None) -> str:
+        """One job into new/ (a member's: drop/); returns its id."""
+        try:
+            if self.dir.drops_in:
+                self.dir.drops.put([(name, data, mtime_ns)])
+            else:
+                self.dir.publish(name, data, mtime_ns)
+        except Exists:
+            raise DuplicateId(f"id {id_of(name)} is already in {DROP if self.dir.drops_in else 'new'}/") from None
+        return id_of(name)
 
     def due_now(self) -> None:
         """Make every job waiting for a later time due now (for tests: see testing.run_jobs)."""
@@ -368,13 +383,13 @@ class DirBackend(DirReads, WorkerSide):
         JobNotFound or NotPossible say why not. ``on_note(message)`` hears of
         a job cancelled whose record could not be updated after its move (a
         full disk): it reads as cancelled."""
-        from . import transitions  # imported here: start-up speed (as in context())
+        from . import waits  # imported here: start-up speed (as in context())
 
         self._open()
         if self.dir.member:
             self._ask({"request": "cancel", "id": job_id}, on_note, f"cancel {job_id}")
         else:
-            transitions.cancel(self.context(), job_id, on_note)
+            waits.cancel(self.context(), job_id, on_note)
 
     def retry(self, job_id: str, on_note: Callable[[str], None] | None = None) -> None:
         """Move a dead job back to new/ with a fresh round of attempts, also
@@ -451,13 +466,14 @@ class DirBackend(DirReads, WorkerSide):
     def sweep(self) -> Report:
         """The recovery step alone: return abandoned jobs from cur/ (killing
         what their runs left) and remove stale tmp/ files."""
-        from . import recovery  # imported here: start-up speed (as in context())
+        from . import recovery, waits  # imported here: start-up speed (as in context())
 
         _require_runner(self.dir, "sweep it", "sweep")
         self._open(create=True)
         _require_runner(self.dir, "sweep it", "sweep")
         try:
             report = recovery.recover(self.context())
+            waits.recover_waiting(self.context(), self.order, self._history)
         finally:
             self.dir.drop_spares()
         report.tmp_removed = self.dir.remove_tmp()

@@ -15,12 +15,15 @@ due time, files another worker held a moment, files left for their writer.
 from __future__ import annotations
 
 import logging
+import random
 import time
 from typing import Callable
 
+from .. import record
 from ..backend import Look
 from ..output import field, quoted
-from . import transitions
+from . import transitions, waits
+from .ordering import Locks, Order
 from .pickup import Pickup
 from .protocol import Entry, SpoolDir, id_of, id_problem
 from .registry import read_passed, write_passed, write_unhandled
@@ -30,6 +33,27 @@ Log = Callable[[str, int, "int | None"], None]
 READ_AHEAD = 256  # a pass whose files went cold is read ahead by up to this many files ...
 PROBE_CLAIMS = 64  # ... once an eighth of this many claims in a row waited for the disk
 FOREIGN_AHEAD = 64  # entries the look-ahead may pass over as handler jobs this worker cannot run
+LOCK_RECHECK = 2.0  # seconds: a due job waiting for a lock is looked at again at least this often (a drain; a watching worker is woken at once)
+
+
+def _by_priority(order: Order, entries: list[Entry], marks: dict[str, int]) -> list[Entry]:
+    """A pass's entries ordered by priority (highest first), then as the
+    scan ordered them (due time, name); markers whose jobs are gone are
+    removed now and then."""
+    first, plain, last = [], [], []
+    seen = set()
+    for entry in entries:
+        p = marks.get(entry.name, 0)
+        if p:
+            seen.add(entry.name)
+            (first if p > 0 else last).append((-p, entry))
+        else:
+            plain.append(entry)
+    if len(seen) < len(marks) and random.random() < 0.05:
+        order.drop_stale_priorities(marks, seen)
+    first.sort()
+    last.sort()
+    return [e for _, e in first] + plain + [e for _, e in last]
 
 
 def named(name: str) -> str:
@@ -171,7 +195,8 @@ class Pass:
     next call begins a new one); ``look`` says what the pass learnt for the
     worker's wait. Logs through ``log`` (the worker puts its id in front)."""
 
-    def __init__(self, ctx: Context, kinds: list[str], worker_id: str, scan_limit: int, log: Log):
+    def __init__(self, ctx: Context, kinds: list[str] | None, worker_id: str, scan_limit: int, log: Log,
+                 order: Order | None = None):
         self.ctx = ctx
         self.dir: SpoolDir = ctx.spool
         self.kinds = kinds
@@ -197,6 +222,12 @@ class Pass:
         self.passed_over = PassedOver()  # handler jobs of kinds it has no handler for
         if kinds is not None:
             self.passed_over.load(self.dir, kinds)
+        self.order = order if order is not None else Order(self.dir)
+        self.locks = Locks(self.order, ctx.settings)
+        self._lock_waits = False  # a due job waits for a lock: a drain waits for it too
+        self._marks: dict[str, int] = {}  # the priorities of this pass (file name -> priority)
+        self._busy_priority: int | None = None  # the priority of a job another worker held this pass
+        self._reorder = False  # a job met with a priority it was not ordered by: a new pass at once
 
     # -- claims ----------------------------------------------------------------
 
@@ -205,21 +236,32 @@ class Pass:
             self.fresh = False
             self._scan()
         entries = self.entries
+        marks = self._marks
         while self.pos < len(entries):
             self.read_ahead.before(self.pos)
             entry = entries[self.pos]
+            if marks and self._busy_priority is not None and marks.get(entry.name, 0) < self._busy_priority:
+                # A job of a higher priority is held by another worker (its
+                # look-ahead): look again soon rather than start this one first.
+                break
             self.pos += 1
+            busy = self._busy
             claimed = self._claim(entry)
             if claimed is not None:
                 return claimed
+            if self._busy > busy and marks:
+                self._busy_priority = marks.get(entry.name, 0)
         self.fresh = True
         if self.kinds is not None:  # (a relay takes every kind: it leaves no note of kinds)
             self.passed_over.tell(self.dir, self.log, self.worker_id, self.kinds)
         return None
 
     def look(self) -> Look:
+        later = None if self._later_ns is None else self._later_ns / 1e9
+        if self._lock_waits:  # woken by Locks the moment a lock is let go; this is only a backstop
+            later = min(later, time.time() + LOCK_RECHECK) if later is not None else time.time() + LOCK_RECHECK
         return Look(due=None if self._next_due is None else self._next_due / 1e9, busy=self._busy > 0,
-                    later=None if self._later_ns is None else self._later_ns / 1e9, more=self._pickup_more)
+                    later=later, more=self._pickup_more or self._reorder)
 
     def _scan(self) -> None:
         """List the due entries for a new pass."""
@@ -230,7 +272,12 @@ class Pass:
         scan = self.dir.scan(time.time_ns(), self.scan_limit)
         self._next_due = scan.next_due_ns
         self.log(f"scan due={len(scan.due)}", 2, None)
-        self.entries = self.passed_over.unknown(scan.due) if self.passed_over.before else scan.due
+        self._lock_waits = False
+        entries = self.passed_over.unknown(scan.due) if self.passed_over.before else scan.due
+        marks = self._marks = self.order.priorities()  # (an empty order/prio/, or none: priorities unused)
+        self._busy_priority = None
+        self._reorder = False
+        self.entries = _by_priority(self.order, entries, marks) if marks else entries
         self.pos = 0
         self.read_ahead = ReadAhead(self.dir, self.entries)
 
@@ -245,6 +292,8 @@ class Pass:
             else:
                 self.drop_ahead()
                 ready = self._prepare(entry)
+            if ready is not None and not record.ORDERING_FIELDS.isdisjoint(ready.job):
+                ready = self._gate(ready)
             return transitions.take(ready, time.time_ns(), self.on_quarantine) if ready is not None else None
         except Exception as e:  # a claim never takes the worker down; the file stays put
             self.log(f"{named(entry.name)} cannot claim it from {entry.state}/: {type(e).__name__}: {e}", 0, None)
@@ -264,6 +313,53 @@ class Pass:
                 self.passed_over.add(entry, kind)
                 return None
         return ready
+
+    def _gate(self, ready: Claimed) -> Claimed | None:
+        """A job whose record says held, names dependencies or holds locks:
+        held ones (a file dropped so) go to held/; one with a dependency
+        unfinished goes to waiting/ (one unknown, dead or cancelled: to
+        dead/); one whose lock is taken is let go for now (no attempt), the
+        lock waited for without polling. Else ready, its lock slots taken."""
+        job = ready.job
+        priority = record.priority_of(job)
+        if priority and self._marks.get(ready.held.name) != priority:
+            # Dropped by hand with a priority and no marker: marked now,
+            # and the pass ends here so that the next orders it by it.
+            self.order.mark_priority(ready.job_id, priority)
+            ready.held.release()
+            self.pos = len(self.entries)
+            self._reorder = True
+            return None
+        if job.get("held") is True and ready.origin == "new":
+            ready.held.move("held", keep_name=True)
+            ready.held.release()
+            return None
+        if job.get("unique") is not None and job.get("state") in (None, "new"):
+            # A file dropped by hand takes its key here (an enqueued job holds it already).
+            holder = self.order.with_key(job["unique"], ready.job_id, lambda: None)
+            if holder is not None:
+                reason = f"its unique key is held by job {holder}, which has not finished"
+                transitions.quarantine(self.ctx, ready.held, reason)
+                self.on_quarantine(ready.held.name, reason)
+                return None
+        if job.get("after") is not None:
+            parked = waits.park(self.ctx, self.order, ready, self._history)
+            if parked is not None:
+                self.log(f"{named(ready.held.name)} {parked}", 1, None)
+                return None
+        names = record.locks_of(job)
+        if names:
+            fds, taken = self.locks.acquire(names, ready.job_id)
+            if fds is None:
+                ready.held.release()
+                self._lock_waits = True
+                self.locks.wait_for(taken)
+                return None
+            ready.locks = fds
+        return ready
+
+    def _history(self, job_id: str) -> dict | None:
+        return self.ctx.index_get(job_id)
 
     # -- the -j 1 look-ahead ------------------------------------------------------
 

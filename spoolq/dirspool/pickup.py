@@ -288,6 +288,10 @@ class Pickup:
             return
         job["run_as"] = st.st_uid
         job["dropped"] = identity
+        if record.priority_of(job):  # its place known before any pass reads it (the marker comes first)
+            from .ordering import Order  # imported here: start-up speed (priorities are rare)
+
+            Order(ctx.spool).mark_priority(job_id, record.priority_of(job))
         ids.add(job_id)
         jobs.append((kept, record.dumps(job), st.st_mtime_ns, name))
 
@@ -421,7 +425,9 @@ class Pickup:
                 return {"ok": not problems, "ids": ids, "problems": problems, "notes": notes}
             if kind == "kill":
                 return self._kill(request, uid)
-            action = transitions.cancel if kind == "cancel" else transitions.retry
+            from . import waits  # imported here: start-up speed (a member's cancel is rare)
+
+            action = waits.cancel if kind == "cancel" else transitions.retry
             action(ctx, request["id"], notes.append, requester=uid)
             return {"ok": True, "notes": notes}
         except JobNotFound as e:

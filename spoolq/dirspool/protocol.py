@@ -15,6 +15,7 @@ inside the spool.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import gc
@@ -43,9 +44,15 @@ from ..ids import (  # noqa: F401 - importable from here too
     staged_job_name,
 )
 
-STATES = ("new", "cur", "failed", "dead", "done")
+STATES = ("new", "cur", "failed", "dead", "done", "held", "waiting")
 WAITING = ("new", "failed")
-FOLDERS = ("tmp",) + STATES + ("workers",)
+#: Folders a spool made before they existed lacks: made when it is next
+#: opened by its owner; a folder missing is an empty one. held/: jobs held
+#: until released; waiting/: jobs waiting for dependencies; order/: what
+#: orders jobs without reading them (ordering.py).
+LATER_FOLDERS = ("held", "waiting", "order")
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+FOLDERS = ("tmp",) + STATES + ("workers", "order")
 
 #: A record rewritten in place must fit in one page: the kernel copies a
 #: write page by page and checks for SIGKILL between pages, so a write that
@@ -322,13 +329,55 @@ class SpoolDir:
             who = f"{user_name(self.owner)}, who owns {self.root}," + ("" if self.owner == 0 else " or root")
             raise SpoolError(f"only {who} may {action}")
 
+    def has(self, folder: str) -> bool:
+        """Whether the spool has the folder (one of LATER_FOLDERS may be missing)."""
+        if not self._fds:
+            self.open()
+        if folder in self._fds:
+            return True
+        return folder in LATER_FOLDERS and os.path.isdir(os.path.join(self.root, folder)) \
+            and not os.path.islink(os.path.join(self.root, folder))
+
     def fd(self, folder: str) -> int:
         if not self._fds:
             self.open()
         try:
             return self._fds[folder]
         except KeyError:
+            if folder in LATER_FOLDERS:
+                return self._open_later(folder)
             raise SpoolError(f"{self.root} has no {folder}/ folder; run 'spoolq init'") from None
+
+    def _open_later(self, folder: str) -> int:
+        """One of LATER_FOLDERS, opened when first used (and kept)."""
+        with self._open_lock:
+            if folder not in self._fds:
+                try:
+                    self._fds[folder] = os.open(os.path.join(self.root, folder), _DIR_FLAGS)
+                except OSError:
+                    raise SpoolError(f"{self.root} has no {folder}/ folder; run 'spoolq init' as its owner") \
+                        from None
+            return self._fds[folder]
+
+    @contextlib.contextmanager
+    def _looking_in(self, folder: str) -> Iterator[int | None]:
+        """A folder's descriptor for one look: one of LATER_FOLDERS not
+        opened yet is opened for the look only (None when it is missing)."""
+        if not self._fds:
+            self.open()
+        fd = self._fds.get(folder)
+        if fd is not None or folder not in LATER_FOLDERS:
+            yield self.fd(folder)
+            return
+        try:
+            fd = os.open(os.path.join(self.root, folder), _DIR_FLAGS)
+        except OSError:
+            yield None
+            return
+        try:
+            yield fd
+        finally:
+            os.close(fd)
 
     def _close_fds(self) -> None:
         for fd in self._fds.values():
@@ -445,10 +494,11 @@ class SpoolDir:
                 e.filename = self.path("tmp", tmp)
             raise
 
-    def publish(self, name: str, data: bytes, mtime_ns: int | None = None) -> None:
-        """Enqueue: write in tmp/, fsync, move into new/ without replacing,
-        fsync new/. Raises Exists if ``new/name`` is taken. Only when this
-        returns is the job enqueued; on any error no file is left in new/."""
+    def publish(self, name: str, data: bytes, mtime_ns: int | None = None, folder: str = "new") -> None:
+        """Enqueue: write in tmp/, fsync, move into new/ (or ``folder``)
+        without replacing, fsync it. Raises Exists if ``new/name`` is taken.
+        Only when this returns is the job enqueued; on any error no file is
+        left in new/."""
         tmp_dir = self.fd("tmp")
         tmp, fd = self._write_tmp(name, data, mtime_ns)
         try:
@@ -457,12 +507,12 @@ class SpoolDir:
                     os.fsync(fd)
             finally:
                 _close_held(fd)
-            rename_noreplace(tmp_dir, tmp, self.fd("new"), name)
+            rename_noreplace(tmp_dir, tmp, self.fd(folder), name)
         except BaseException as e:
             _unlink_quietly(tmp_dir, tmp)
-            self._denied_in(e, "new", "tmp")
+            self._denied_in(e, folder, "tmp")
             raise
-        self.sync_dir("new")
+        self.sync_dir(folder)
 
     def publish_many(self, items: list[tuple[str, bytes, int | None]]) -> list[str]:
         """Enqueue many jobs with one sync for all files (group commit).
@@ -525,29 +575,37 @@ class SpoolDir:
         """(state, name) of the first of ``names`` found in ``states``, in
         that order (one stat each; nothing is listed)."""
         for state in states:
-            for name in names:
-                try:
-                    os.stat(name, dir_fd=self.fd(state), follow_symlinks=False)
-                    return state, name
-                except FileNotFoundError:
+            with self._looking_in(state) as fd:
+                if fd is None:
                     continue
+                for name in names:
+                    try:
+                        os.stat(name, dir_fd=fd, follow_symlinks=False)
+                        return state, name
+                    except FileNotFoundError:
+                        continue
         return None
 
     # -- reading -----------------------------------------------------------
 
     def names(self, folder: str) -> Iterator[str]:
         """Names in a folder, dot-files left out, in directory order."""
-        with os.scandir(self.fd(folder)) as it:
-            for entry in it:
-                if not entry.name.startswith("."):
-                    yield entry.name
+        with self._looking_in(folder) as fd:
+            if fd is None:
+                return
+            with os.scandir(fd) as it:
+                names = [entry.name for entry in it if not entry.name.startswith(".")]
+        yield from names
 
     def count(self, folder: str) -> int:
         n = 0
-        with os.scandir(self.fd(folder)) as it:
-            for entry in it:
-                if entry.name[0] != ".":
-                    n += 1
+        with self._looking_in(folder) as fd:
+            if fd is None:
+                return 0
+            with os.scandir(fd) as it:
+                for entry in it:
+                    if entry.name[0] != ".":
+                        n += 1
         return n
 
     def count_apart(self, folder: str) -> int:
@@ -566,12 +624,16 @@ class SpoolDir:
 
     def entries(self, folder: str) -> Iterator[tuple[str, os.stat_result]]:
         """(name, lstat) of each entry of a folder, dot-files left out."""
-        fd = self.fd(folder)
-        for name in self.names(folder):
-            try:
-                yield name, os.stat(name, dir_fd=fd, follow_symlinks=False)
-            except FileNotFoundError:
-                continue
+        found = []
+        with self._looking_in(folder) as fd:
+            if fd is None:
+                return
+            for name in self.names(folder):
+                try:
+                    found.append((name, os.stat(name, dir_fd=fd, follow_symlinks=False)))
+                except FileNotFoundError:
+                    continue
+        yield from found
 
     def lstat(self, folder: str, name: str) -> os.stat_result:
         return os.stat(name, dir_fd=self.fd(folder), follow_symlinks=False)
@@ -1521,7 +1583,7 @@ def convert_files(spool: SpoolDir) -> list[str]:
     me, owner = os.geteuid(), spool.owner
     counts = dict.fromkeys(("tightened", "given", "left_root", "to_drop", "to_dead", "removed", "folders"), 0)
     for folder in ("tmp",) + STATES + ("workers",):
-        if folder not in spool._fds:
+        if folder not in spool._fds and not (folder in LATER_FOLDERS and spool.has(folder)):
             continue
         dir_fd = spool.fd(folder)
         with os.scandir(dir_fd) as it:
@@ -1973,7 +2035,27 @@ def _is_dir(dir_fd: int, name: str) -> bool:
         return False
 
 
+def _make_later_folder(root: str, folder: str) -> None:
+    """Make a folder of LATER_FOLDERS in a spool made before it, as its
+    owner only, with the mode of its kind; leave it out when it cannot be made."""
+    try:
+        root_st = os.stat(root)
+        if root_st.st_uid != os.geteuid():
+            return
+        shared = bool(root_st.st_mode & stat.S_ISGID and root_st.st_mode & 0o070)
+        mode = _folder_mode(folder, shared)
+        try:
+            os.mkdir(os.path.join(root, folder), mode)
+            os.chmod(os.path.join(root, folder), mode, follow_symlinks=False)
+        except FileExistsError:
+            pass
+    except OSError:
+        return
+
+
 def _folder_mode(folder: str, shared: bool) -> int:
+    if folder == "order":
+        return 0o700
     if folder == "workers" or not shared:
         return WORKERS_MODE if folder == "workers" else 0o700
     return SHARED_DROP if folder == DROP else SHARED_FOLDER
@@ -2101,6 +2183,10 @@ def _open_folders(root: str, create: bool, fds: dict[str, int]) -> None:
     for folder in FOLDERS:
         path = os.path.join(root, folder)
         try:
+            if folder in LATER_FOLDERS:  # opened when first used (SpoolDir.fd): a worker's descriptors are counted
+                if not os.path.isdir(path):
+                    _make_later_folder(root, folder)
+                continue
             fds[folder] = os.open(path, flags)
         except FileNotFoundError:
             if folder == "workers" and create:
@@ -2109,6 +2195,8 @@ def _open_folders(root: str, create: bool, fds: dict[str, int]) -> None:
                 fds[folder] = os.open(path, flags)
             elif folder == "workers":
                 continue
+            elif folder in LATER_FOLDERS:
+                _make_later_folder(root, folder)
             elif not os.path.isdir(os.path.join(root, "new")):
                 raise NotASpool(root) from None
             else:
@@ -2118,7 +2206,7 @@ def _open_folders(root: str, create: bool, fds: dict[str, int]) -> None:
                 raise SpoolError(f"{path} is a symlink; spool folders must be real directories") from None
             raise SpoolError(f"{path} is not a directory") from None
         except PermissionError as e:
-            if folder == "workers":
+            if folder == "workers" or folder in LATER_FOLDERS:
                 continue
             e.filename = path  # said as "permission denied: PATH", the folder to look at
             raise
@@ -2199,7 +2287,7 @@ def is_layout(path: str) -> bool:
     with only tmp/ new/ cur/, is not a spool). workers/ and drop/ are not
     asked for: an older spool may lack them. Only stat: a member of a
     shared spool, who may not list every folder, is told it is in a spool."""
-    return all(os.path.isdir(os.path.join(path, folder)) for folder in ("new", "tmp") + STATES[1:])
+    return all(os.path.isdir(os.path.join(path, folder)) for folder in ("new", "tmp", "cur", "failed", "dead", "done"))
 
 
 def refuse_inside_spool(path: str) -> None:

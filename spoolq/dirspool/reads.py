@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import heapq
 import os
+import time
 from typing import Any, Callable, Iterator
 
-from .. import record
+from .. import config, record
 from ..errors import InvalidJob, NotPossible, NotRegular
 from ..owners import user_name
 from .protocol import DROP, REPLY_SUFFIX, STATES, file_name, id_of, id_problem, listed_names
@@ -68,7 +69,32 @@ class DirReads:
             job["mtime"] = record.rfc3339(st.st_mtime)
             if state in ("new", "failed"):
                 job["due_at"] = record.rfc3339(st.st_mtime)
+        if state in ("new", "failed", "held", "waiting") and job.get("valid") is not False:
+            why = self._why(job, state, st)
+            if why:
+                job["why"] = why
         return job
+
+    def _why(self, job: dict[str, Any], state: str, st: os.stat_result | None) -> str | None:
+        """Why a waiting job is not running (None: nothing keeps it but a free worker)."""
+        from .ordering import holders, outcome_state  # imported here: start-up speed
+
+        if state == "held":
+            return f"held (spoolq release {job['id']})"
+        try:
+            if state == "waiting":
+                deps = [d for d in record.after_of(job)
+                        if outcome_state(self.dir, self._history, d) == "unfinished"]
+                return f"waiting for job {', '.join(deps)}" if deps else "its dependencies have finished: released soon"
+            if st is not None and st.st_mtime > time.time():
+                return f"not due until {record.rfc3339(st.st_mtime)}"
+            for name in record.locks_of(job):
+                taken = holders(self.order, name)
+                if len(taken) >= config.lock_limit(self.settings, name):
+                    return f"lock {name} held by job {', '.join(taken)}"
+        except (InvalidJob, TypeError, AttributeError):
+            return None
+        return None
 
     def _listed(self, state: str, name: str, st: os.stat_result | None = None) -> dict[str, Any]:
         """What the listing tells of a file whose record this user may not
@@ -222,6 +248,7 @@ class DirReads:
                         listed[state] = [i for i in listed[state] if i not in folded]
         counts.update(dead=len(listed["dead"]), done=len(listed["done"]) + compacted, done_files=len(listed["done"]),
                       compacted=compacted, dead_purged=purged)
+        counts.update(held=self.dir.count("held"), waiting=self.dir.count("waiting"))
         from .registry import live_workers  # imported here: start-up speed (as in get())
 
         if self.dir.shared and not self.dir.member:
@@ -271,7 +298,9 @@ class DirReads:
     ) -> Iterator[dict[str, Any]]:
         """Records oldest first, by (due or finish time = file mtime, name).
         ``state`` picks one folder; done includes compacted jobs, dead the
-        ones purged into the index."""
+        ones purged into the index. The jobs of new/ or failed/ alone are
+        listed in the order a worker takes them: the highest priority
+        first (its marker's), then as above."""
         self._open()
         states = (state,) if state else STATES
         found = []
@@ -281,6 +310,10 @@ class DirReads:
                     continue
                 found.append((st.st_mtime_ns, name, st_name))
         found.sort()
+        if state in ("new", "failed"):
+            marks = self.order.priorities()
+            if marks:
+                found.sort(key=lambda f: -marks.get(f[1], 0))  # (stable: due time within a priority)
         finished = tuple(s for s in ("done", "dead") if s in states)
         index = self.index() if finished else None
         if index is None:

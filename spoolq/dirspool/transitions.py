@@ -46,6 +46,7 @@ class Context:
     spool: SpoolDir
     settings: dict[str, Any]  # a config.Settings, whose reload() the context sees
     index_has: Callable[[str], bool] = lambda job_id: False
+    index_get: Callable[[str], "dict | None"] = lambda job_id: None  # a compacted job's record
     as_root: bool = field(default_factory=lambda: os.geteuid() == 0)  # once: spoolq never changes its own ids
     _trusted: frozenset[int] | None = None
     _trusted_generation: int = -1
@@ -86,6 +87,7 @@ class Claimed:
     due_ns: int
     origin: str
     prepared_mtime_ns: int = 0  # the file's mtime when prepare() was done with it
+    locks: list[int] | None = None  # the lock slots held for the run (ordering.Locks)
 
     @property
     def attempt(self) -> int:
@@ -523,7 +525,7 @@ def cancel(ctx: Context, job_id: str, on_note: Callable[[str], None] | None = No
     deadline = time.monotonic() + 1.0
     while True:
         try:
-            held = _find_held(ctx, job_id, ("new", "failed"))
+            held = _find_held(ctx, job_id, ("new", "failed", "held", "waiting"))
             break
         except Busy:
             if time.monotonic() > deadline:

@@ -48,8 +48,8 @@ def _quiet(text: str, level: int = 0, severity: int | None = None) -> None:
 
 class WorkerSide:
     """The worker verbs of the port over a spool directory. It relies on
-    what ``DirBackend`` gives: ``dir``, ``settings``, ``context()`` and
-    ``compact()``."""
+    what ``DirBackend`` gives: ``dir``, ``settings``, ``context()``,
+    ``compact()``, ``order`` and ``_history``."""
 
     def _init_worker_side(self) -> None:
         self.log = _quiet
@@ -103,16 +103,21 @@ class WorkerSide:
         return registration
 
     def waker(self, poll: float | None, log: Any) -> Waker:
-        """What wakes a watching worker when jobs arrive: the folder watcher (or polling)."""
+        """What wakes a watching worker when jobs arrive: the folder watcher
+        (or polling); a lock let go wakes it too."""
         from .watcher import make_waker
 
-        return make_waker(self.dir, poll=poll, log=log)
+        waker = make_waker(self.dir, poll=poll, log=log)
+        self._walk().locks.wake = waker.wake
+        return waker
 
     def recover(self) -> Report:
         """Recover dead workers' jobs and remove stale tmp/ files."""
-        from . import recovery
+        from . import recovery, waits
 
-        report = recovery.recover(self.ctx or self.context())
+        ctx = self.ctx or self.context()
+        report = recovery.recover(ctx)
+        waits.recover_waiting(ctx, self.order, self._history)
         report.tmp_removed = self.dir.remove_tmp()
         self.dir.remove_stale_spares()
         if self.dir.shared:
@@ -124,7 +129,7 @@ class WorkerSide:
             worker_id = self._reg.worker_id if self._reg is not None else "-"
             from .passes import Pass
 
-            self._pass = Pass(self.ctx, self._kinds, worker_id, self._scan_limit, self.log)
+            self._pass = Pass(self.ctx, self._kinds, worker_id, self._scan_limit, self.log, self.order)
         return self._pass
 
     def claim_next(self, now: float | None = None) -> Claim | None:
@@ -133,7 +138,8 @@ class WorkerSide:
         claimed = self._walk().claim_next()
         if claimed is None:
             return None
-        return Claim(claimed.job, claimed.job_id, claimed.attempt, claimed.due_ns / 1e9, claimed)
+        return Claim(claimed.job, claimed.job_id, claimed.attempt, claimed.due_ns / 1e9, claimed,
+                     tuple(claimed.locks) if claimed.locks else ())
 
     def next_look(self) -> Look:
         return self._walk().look()
@@ -146,11 +152,13 @@ class WorkerSide:
             self._pass.drop_ahead()
 
     def release(self, claim: Claim) -> None:
+        _let_go(claim)
         claim.held.held.release()
 
     def unclaim(self, claim: Claim) -> str:
         from . import transitions
 
+        _let_go(claim)
         return transitions.unclaim(claim.held)
 
     def where(self, claim: Claim) -> str:
@@ -165,8 +173,19 @@ class WorkerSide:
         from . import transitions  # (already loaded by the claim: a look-up in sys.modules)
 
         dest, due = transitions.finish(self.ctx, claim.held, outcome, worker_id, defer_sync=defer, stage=defer)
+        _let_go(claim)  # the run is over: the next holder of its locks may start
+        if claim.held.held.staged is None:
+            self._left(claim, dest)
         self._finished += 1
         return Finished(dest, due, pending=defer, claim=claim)
+
+    def _left(self, claim: Claim, dest: str) -> None:
+        """A job has moved on: a finished one's dependents waiting are
+        released or sent to dead/ (its move is the one they wait for)."""
+        if dest != "failed" and self.order.any_dependents():
+            from . import waits
+
+            waits.dependency_ended(self.ctx, self.order, claim.job_id, dest, self._history)
 
     def committer(self, hooks: CommitHooks, seconds: float) -> GroupCommit:
         # Each staged job holds two descriptors; a commit comes once a
@@ -242,6 +261,7 @@ class WorkerSide:
         from . import transitions
 
         transitions.complete(claim.held.held, dest, due)
+        self._left(claim, dest)
 
     def drop_staged(self, claim: Claim) -> None:
         claim.held.held.drop_staged()
@@ -275,3 +295,12 @@ class DirLiveSink:
 
     def close(self) -> None:
         self.outputs.close()
+
+
+def _let_go(claim: Claim) -> None:
+    """Let a claim's lock slots go (none when the job holds no lock)."""
+    if claim.held.locks:
+        from .ordering import release
+
+        release(claim.held.locks)
+        claim.held.locks = None

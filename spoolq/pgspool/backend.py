@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator
 
 from ..backend import Look, PlainCommit
 from ..errors import ConfigError, SpoolError
-from . import moves, reads, recovery, schema
+from . import moves, ordering, reads, recovery, schema
 from .claims import Claims
 from .connect import connect, first_line, is_url, psycopg_module, without_password
 from .liveness import PgWorkerReg
@@ -183,10 +183,11 @@ class PgBackend:
     # -- producers -------------------------------------------------------------
 
     @_db
-    def enqueue(self, jobs: list[tuple[str, Any, float | None]], existing_ok: bool = False) -> list[str]:
+    def enqueue(self, jobs: list[tuple[str, Any, float | None]], existing_ok: bool = False,
+                on_existing: Callable[[str, str], None] | None = None) -> list[str]:
         """One durable batch of (id, record, due epoch or None); see moves.enqueue."""
         self.open(create=True)
-        return moves.enqueue(self._conn("auto"), jobs, existing_ok)
+        return moves.enqueue(self._conn("auto"), jobs, existing_ok, on_existing)
 
     @_db
     def has_id(self, job_id: str) -> bool:
@@ -198,7 +199,7 @@ class PgBackend:
     @_db
     def get(self, job_id: str) -> dict | None:
         self.open()
-        return reads.get(self._conn("auto"), job_id)
+        return reads.get(self._conn("auto"), job_id, self.settings["lock_limits"])
 
     @_db
     def ids_with_prefix(self, prefix: str, states: tuple[str, ...] | None = None, limit: int = 11) -> list[str]:
@@ -210,7 +211,7 @@ class PgBackend:
     def list(self, state: str | None = None, limit: int | None = None, since: float | None = None) -> Iterator[dict]:
         with _translated(self.location):
             self.open()
-            yield from reads.listing(self._conn("auto"), state, limit, since)
+            yield from reads.listing(self._conn("auto"), state, limit, since, self.settings["lock_limits"])
 
     @_db
     def counts(self, on_problem: Callable[[str], None] | None = None) -> dict[str, Any]:
@@ -256,6 +257,19 @@ class PgBackend:
         return moves.retry_all(self._conn("auto"), self.settings, on_problem)
 
     @_db
+    def hold(self, job_id: str) -> None:
+        """A waiting job held: never claimed until released."""
+        self.open()
+        ordering.hold(self._conn("auto"), job_id, moves.held_row)
+
+    @_db
+    def release_held(self, job_id: str, now: bool = False) -> str:
+        """A held job waiting again, due when it was (``now``: due now);
+        returns the state it is in now."""
+        self.open()
+        return ordering.release(self._conn("auto"), job_id, now, moves.held_row)
+
+    @_db
     def compact(self, keep: float | None = None) -> dict[str, Any]:
         self.open()
         return moves.compact(self._conn("auto"), keep)
@@ -296,7 +310,9 @@ class PgBackend:
         """Recover the jobs of workers dead for longer than the grace."""
         self.open()
         self._last_recovery = time.monotonic()
-        return recovery.recover(self._conn("auto"), self.settings)
+        report = recovery.recover(self._conn("auto"), self.settings)
+        ordering.release_stuck(self._conn("auto"))
+        return report
 
     def housekeeping(self, settle: Callable[[], None] | None = None) -> Report | None:
         """Between passes: a recovery every RECOVER_EVERY seconds, so a dead
@@ -320,7 +336,7 @@ class PgBackend:
         next job this worker can run is due (epoch seconds, by this host's
         clock from the database's distance to it)."""
         due = self.next_due()
-        return Look(due=time.time() + due if due is not None else None)
+        return Look(due=time.time() + due if due is not None else None, busy=self.claims.busy)
 
     def look_ahead(self) -> None:
         """Nothing to prepare: a claim is one statement."""

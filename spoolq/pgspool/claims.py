@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 from .. import config, record
 from ..errors import InvalidJob
-from . import queries, shaping
+from . import ordering, queries, shaping
 from .connect import first_line, psycopg_module
 from .types import Claim, Finished, Unavailable
 
@@ -42,6 +42,7 @@ class Claims:
         self.on_quarantine = on_quarantine
         self._pending: list[Finished] = []
         self._lock = threading.Lock()
+        self.busy = False  # the last empty claim passed over a job whose lock another claim was counting
 
     # -- claims ------------------------------------------------------------
 
@@ -53,11 +54,15 @@ class Claims:
         if reg is None or not reg.live.is_set() or reg.id is None:
             raise Unavailable("this worker has no live database session (registering again)")
         psycopg = psycopg_module()
+        limits = json.dumps(self.settings["lock_limits"] or {})
         while True:
             token = int.from_bytes(os.urandom(8), "big") >> 1
             try:
-                row = self._conn("claim").execute(queries.CLAIM, {"worker": reg.id, "token": token,
-                                                                   "kinds": reg.kinds}).fetchone()
+                conn = self._conn("claim")
+                row = conn.execute(queries.CLAIM, {"worker": reg.id, "token": token, "kinds": reg.kinds,
+                                                   "limits": limits}).fetchone()
+                if row is None:
+                    self.busy = conn.execute(queries.LOCK_BUSY).fetchone()[0]
             except psycopg.OperationalError as e:
                 raise Unavailable(first_line(e)) from None
             if row is None:
@@ -90,6 +95,12 @@ class Claims:
             job["state"] = "new"
             job.setdefault("attempts", 0)
             when = record.time_or_none(job.get("run_at"))
+            if ordering.needs_care(job) or job.get("priority") or job.get("lock") is not None:
+                # A row inserted by hand with ordering fields: its columns
+                # set from them, and back in line by them.
+                self._conn("claim").execute(queries.UNCLAIM, dict(params, origin="new"))
+                ordering.place(self._conn("claim"), job_id, job, shaping.text(job), when)
+                return None
             if when is not None and when > time.time():
                 self._conn("claim").execute(queries.POSTPONE, dict(params, record=shaping.text(job), due=when))
                 return None

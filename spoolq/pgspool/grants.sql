@@ -38,13 +38,17 @@ REVOKE ALL ON FUNCTION spoolq.request_kill(text, integer, integer) FROM PUBLIC;
 DO $$
 BEGIN
     -- Producers enqueue and read (every job's record, and so every running
-    -- job's output): they set a new job's id, record and due time, nothing
-    -- else (its state is new, and who enqueued it is theirs).
+    -- job's output): they set a new job's id, record, due time and the
+    -- columns its record's ordering fields become (it comes in new, held or
+    -- waiting: a trigger refuses any other state; who enqueued it is
+    -- theirs), and mark its dependencies as depended on (spoolq.depend_on,
+    -- which changes nothing else).
     IF EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'spoolq_producer') THEN
         GRANT USAGE ON SCHEMA spoolq TO spoolq_producer;
         GRANT SELECT ON spoolq.jobs, spoolq.workers, spoolq.settings, spoolq.counters, spoolq.notes,
                         spoolq.schema_version, spoolq.paused, spoolq.outputs TO spoolq_producer;
-        GRANT INSERT (id, record, at) ON spoolq.jobs TO spoolq_producer;
+        GRANT INSERT (id, record, at, state, priority, after, unique_key, locks, origin, reason, has_dependents)
+            ON spoolq.jobs TO spoolq_producer;
         -- They kill or cancel their own running jobs (and see whether a
         -- worker has taken the request); stop, pause and resume are not theirs.
         GRANT EXECUTE ON FUNCTION spoolq.request_kill(text, integer, integer) TO spoolq_producer;
@@ -58,7 +62,8 @@ BEGIN
                         spoolq.schema_version TO spoolq_worker;
         -- and send and carry out job control requests (stop, pause, kill).
         GRANT SELECT, INSERT, DELETE ON spoolq.requests, spoolq.paused TO spoolq_worker;
-        GRANT INSERT (id, record, at), UPDATE ON spoolq.jobs TO spoolq_worker;
+        GRANT INSERT (id, record, at, state, priority, after, unique_key, locks, origin, reason, has_dependents),
+              UPDATE ON spoolq.jobs TO spoolq_worker;
         GRANT INSERT (worker, host, pid, uid, boot_id, proc_start, kinds), UPDATE (runs, lost_at), DELETE
             ON spoolq.workers TO spoolq_worker;
         GRANT INSERT, UPDATE ON spoolq.notes TO spoolq_worker;

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 from .. import config, record
 from ..errors import DuplicateId, InvalidJob, JobNotFound, NotPossible
-from . import queries, shaping
+from . import ordering, queries, shaping
 from .connect import psycopg_module
 from .reads import SHOWN, run_counts_sql
 
@@ -26,16 +26,32 @@ def producer_fields(job: dict) -> dict:
     return {k: v for k, v in job.items() if k not in record.SPOOLQ_FIELDS}
 
 
-def enqueue(conn, items: list[tuple[str, Any, float | None]], existing_ok: bool = False) -> list[str]:
+def enqueue(conn, items: list[tuple[str, Any, float | None]], existing_ok: bool = False,
+            on_existing: Callable[[str, str], None] | None = None) -> list[str]:
     """Insert new jobs in one transaction. ``items``: (id, record as bytes
     or a dict, due time in epoch seconds or None for now). An id already
     in the spool is DuplicateId and nothing is enqueued, unless
     ``existing_ok`` and the job there is the same job (as the relay
-    resends what it may have sent before): then it counts as enqueued."""
+    resends what it may have sent before): then it counts as enqueued.
+    A batch with dependencies, unique keys or held jobs goes through
+    ordering.enqueue_careful (``on_existing``: a unique key's holder
+    stands in for a job)."""
     psycopg = psycopg_module()
     ids = [job_id for job_id, _, _ in items]
     texts = [_text(data) for _, data, _ in items]
-    params = {"jobs": json.dumps([[job_id, text, due] for job_id, text, (_, _, due) in zip(ids, texts, items)])}
+    jobs = [_record(text) for text in texts]
+    if any(ordering.needs_care(job) for job in jobs):
+        try:
+            return ordering.enqueue_careful(
+                conn, [(job_id, text, due, job) for job_id, text, (_, _, due), job in zip(ids, texts, items, jobs)],
+                on_existing)
+        except psycopg.errors.UniqueViolation as e:
+            raise DuplicateId(f"id {_violating_id(e, ids)} is already in the spool") from None
+    rows = []
+    for job_id, text, (_, _, due), job in zip(ids, texts, items, jobs):
+        cols = ordering.columns(job)
+        rows.append([job_id, text, due, "new", cols["priority"], None, None, cols["locks"], None, None, False])
+    params = {"jobs": json.dumps(rows)}
     try:
         conn.execute(queries.ENQUEUE.format(conflict=""), params)
         return ids
@@ -64,6 +80,30 @@ def _text(data: Any) -> str:
     return data.rstrip("\n")
 
 
+def _record(text: str) -> dict:
+    """A record's fields as far as ordering goes ({} for what is no object:
+    a worker sends it to dead; {} without parsing for a record that
+    names no ordering field, as most do)."""
+    if not record.may_order(text):
+        return {}
+    try:
+        job = record.loads(text)
+    except ValueError:
+        return {}
+    if not isinstance(job, dict):
+        return {}
+    try:
+        record.validate(job, job.get("id") if isinstance(job.get("id"), str) else None)
+    except InvalidJob:
+        return {}
+    return job
+
+
+def _violating_id(e: Exception, ids: list[str]) -> str:
+    detail = getattr(getattr(e, "diag", None), "message_detail", None) or ""
+    return next((job_id for job_id in ids if f"=({job_id})" in detail), ids[0])
+
+
 def _same_job(stored: str, sent: str) -> bool:
     try:
         return producer_fields(record.loads(stored)) == producer_fields(record.loads(sent))
@@ -71,7 +111,7 @@ def _same_job(stored: str, sent: str) -> bool:
         return stored == sent
 
 
-def _held_row(conn, job_id: str, busy: str) -> tuple | None:
+def held_row(conn, job_id: str, busy: str) -> tuple | None:
     """Lock a job's row for this transaction: (state, record, valid,
     purged), None if there is none; NotPossible(``busy``) when a worker
     holds it longer than LOCK_WAIT."""
@@ -94,7 +134,7 @@ def cancel(conn, job_id: str) -> None:
     """A waiting job (new or failed) to done, outcome cancelled. Raises
     JobNotFound, or NotPossible for a running or finished job."""
     with conn.transaction():
-        row = _held_row(conn, job_id, f"job {job_id} is running (a worker holds it); it cannot be cancelled")
+        row = held_row(conn, job_id, f"job {job_id} is running (a worker holds it); it cannot be cancelled")
         if row is None:
             raise JobNotFound(f"no job {job_id} in this spool")
         state, text, valid, _ = row
@@ -116,7 +156,7 @@ def retry(conn, job_id: str, settings: dict) -> None:
     """A dead job back to new, due now, with a fresh round of attempts (its
     history kept). Raises JobNotFound or NotPossible."""
     with conn.transaction():
-        row = _held_row(conn, job_id, f"job {job_id} is busy (another command holds it); try again")
+        row = held_row(conn, job_id, f"job {job_id} is busy (another command holds it); try again")
         if row is None:
             raise JobNotFound(f"no job {job_id} in dead")
         state, text, valid, purged = row
@@ -129,8 +169,12 @@ def retry(conn, job_id: str, settings: dict) -> None:
                 raise InvalidJob(problem)
         except InvalidJob as e:
             raise NotPossible(f"cannot retry {job_id}: {e}; enqueue a fixed job instead") from None
-        conn.execute("UPDATE spoolq.jobs SET state = 'new', record = %s, at = now(), reason = NULL, target = NULL, "
-                     "purged = false WHERE id = %s", (shaping.retried(job), job_id))
+        state = ordering.retry_state(conn, job_id, job)
+        holder = ordering.key_holder(conn, job.get("unique"))
+        if holder is not None:
+            raise NotPossible(f"cannot retry {job_id}: its unique key is held by job {holder}")
+        conn.execute("UPDATE spoolq.jobs SET state = %s, record = %s, at = now(), reason = NULL, target = NULL, "
+                     "purged = false WHERE id = %s", (state, shaping.retried(job), job_id))
         conn.execute(queries.NOTIFY)
 
 
@@ -138,18 +182,28 @@ def retry_all(conn, settings: dict, on_problem: Callable[[str], None] | None = N
     """Every dead job not purged into the history back to new (as the
     directory spool's ``retry --all`` takes dead/); returns the ids moved. One
     that cannot go stays dead, and ``on_problem(message)`` says why."""
-    moved = []
+    moved: list[str] = []
     ids = [r[0] for r in conn.execute(
         "SELECT id FROM spoolq.jobs WHERE state = 'dead' AND NOT purged ORDER BY at, id")]
-    for job_id in ids:
-        try:
-            retry(conn, job_id, settings)
-            moved.append(job_id)
-        except JobNotFound:
-            continue  # gone meanwhile
-        except NotPossible as e:
-            if "not dead" not in str(e) and on_problem:  # (not dead: retried meanwhile)
-                on_problem(str(e))
+    while ids:  # again while some moved: a dependent waits for its dependency's retry
+        later = []
+        for job_id in ids:
+            try:
+                retry(conn, job_id, settings)
+                moved.append(job_id)
+            except JobNotFound:
+                continue  # gone meanwhile
+            except ordering.DependencyEnded as e:
+                later.append((job_id, str(e)))
+            except NotPossible as e:
+                if "not dead" not in str(e) and on_problem:  # (not dead: retried meanwhile)
+                    on_problem(str(e))
+        if len(later) == len(ids) or not later:
+            for _, problem in later:
+                if on_problem:
+                    on_problem(problem)
+            break
+        ids = [job_id for job_id, _ in later]
     return moved
 
 

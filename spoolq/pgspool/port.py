@@ -152,7 +152,7 @@ class PgPort(PgBackend):
 
     def next_look(self) -> Look:
         due = self.next_due()
-        return Look(due=None if due is None else time.time() + due)
+        return Look(due=None if due is None else time.time() + due, busy=self.claims.busy)
 
     def look_ahead(self) -> None:
         pass  # a claim is one query: nothing to prepare

@@ -15,7 +15,8 @@ from ..record import RUN_SECONDS_BUCKETS, rfc3339
 from .schema import LOCK_CLASS
 
 # The state names users see (the directory spool's), by the table's.
-SHOWN = {"new": "new", "running": "cur", "failed": "failed", "dead": "dead", "done": "done"}
+SHOWN = {"new": "new", "running": "cur", "failed": "failed", "dead": "dead", "done": "done", "held": "held",
+         "waiting": "waiting"}
 STORED = {shown: stored for stored, shown in SHOWN.items()}
 
 
@@ -36,15 +37,22 @@ UNHANDLED = f"""(j.kind IS NOT NULL AND j.state IN ('new', 'failed')
 
 ROW = f"""SELECT j.id, j.state, j.record, j.at, j.valid, j.reason, j.purged, w.worker,
        CASE WHEN j.state = 'running' THEN w.id IS NOT NULL AND {LIVE} END AS live,
-       {UNHANDLED} AS unhandled
+       {UNHANDLED} AS unhandled,
+       CASE WHEN j.state = 'waiting' THEN ARRAY(SELECT d.id FROM spoolq.jobs d
+           WHERE d.id = ANY(j.after) AND d.state <> 'done' ORDER BY d.id) END AS waits_for,
+       CASE WHEN j.state IN ('new', 'failed') AND j.locks IS NOT NULL THEN (SELECT json_agg(json_build_array(n,
+           ARRAY(SELECT r.id FROM spoolq.jobs r WHERE r.state = 'running' AND r.locks @> ARRAY[n] ORDER BY r.id)))
+           FROM unnest(j.locks) AS n) END AS lock_holders,
+       j.priority
 FROM spoolq.jobs j LEFT JOIN spoolq.workers w ON w.id = j.worker AND j.state = 'running'"""
 
 
-def shaped(row: tuple) -> dict[str, Any]:
+def shaped(row: tuple, limits: dict | None = None) -> dict[str, Any]:
     """A row as ``show`` prints a job: its record, with ``state`` set from
     where it is, and what else the row says (the due time of a waiting job,
-    the worker of a running one, the reason a dead one can never run)."""
-    job_id, state, text, at, valid, reason, purged, worker, live, unhandled = row
+    the worker of a running one, the reason a dead one can never run, why
+    a waiting one does not run; ``limits``: the lock_limits setting)."""
+    job_id, state, text, at, valid, reason, purged, worker, live, unhandled, waits_for, lock_holders, _ = row
     job: dict[str, Any] | None = None
     problem = reason
     if valid:
@@ -75,12 +83,24 @@ def shaped(row: tuple) -> dict[str, Any]:
     job["state"] = SHOWN[state]
     if state in ("new", "failed"):
         job["due_at"] = rfc3339(at.timestamp())
+        if at.timestamp() > time.time():
+            job["why"] = f"not due until {job['due_at']}"
+        else:
+            for name, holders in lock_holders or ():
+                if len(holders) >= int((limits or {}).get(name, 1)):
+                    job["why"] = f"lock {name} held by job {', '.join(holders)}"
+                    break
+    elif state == "held":
+        job["why"] = f"held (spoolq release {job_id})"
+    elif state == "waiting":
+        job["why"] = (f"waiting for job {', '.join(waits_for)}" if waits_for
+                      else "its dependencies have finished: released soon")
     return job
 
 
-def get(conn, job_id: str) -> dict[str, Any] | None:
+def get(conn, job_id: str, limits: dict | None = None) -> dict[str, Any] | None:
     row = conn.execute(ROW + " WHERE j.id = %s", (job_id,)).fetchone()
-    return shaped(row) if row is not None else None
+    return shaped(row, limits) if row is not None else None
 
 
 def ids_with_prefix(conn, prefix: str, states: tuple[str, ...] | None, limit: int) -> list[str]:
@@ -94,14 +114,18 @@ def ids_with_prefix(conn, prefix: str, states: tuple[str, ...] | None, limit: in
 
 
 def listing(conn, state: str | None = None, limit: int | None = None,
-            since: float | None = None) -> Iterator[dict[str, Any]]:
+            since: float | None = None, limits: dict | None = None) -> Iterator[dict[str, Any]]:
     """Records oldest first, by (due or finish time, id); ``state`` is one
     of the shown names (dead includes those purged into the history,
-    marked ``purged``). Read a page at a time: a long listing holds no
-    transaction open."""
+    marked ``purged``). The jobs of new or failed alone are listed in the
+    order a worker takes them: the highest priority first. Read a page at
+    a time: a long listing holds no transaction open."""
     # The states written out (they are STORED's, never the caller's text):
     # the planner then sees which partial index covers them.
     states = ", ".join(f"'{s}'" for s in ([STORED[state]] if state else list(SHOWN)))
+    # The claims' order, (-priority, at, id), for the waiting states alone.
+    ranked = state in ("new", "failed")
+    rank = "-j.priority" if ranked else "(0)"
     after: tuple | None = None
     left = limit
     while left is None or left > 0:
@@ -109,15 +133,15 @@ def listing(conn, state: str | None = None, limit: int | None = None,
         params: dict[str, Any] = {"since": since if since is not None else 0.0, "page": page}
         keyset = ""
         if after is not None:
-            keyset = "AND (j.at, j.id) > (%(at)s, %(id)s)"
-            params.update(at=after[0], id=after[1])
-        rows = conn.execute(ROW + f""" WHERE j.state IN ({states})
-              AND j.at >= to_timestamp(%(since)s) {keyset} ORDER BY j.at, j.id LIMIT %(page)s""", params).fetchall()
+            keyset = f"AND ({rank}, j.at, j.id) > (%(rank)s, %(at)s, %(id)s)"
+            params.update(rank=after[0], at=after[1], id=after[2])
+        rows = conn.execute(ROW + f""" WHERE j.state IN ({states}) AND j.at >= to_timestamp(%(since)s) {keyset}
+              ORDER BY {"-j.priority, " if ranked else ""}j.at, j.id LIMIT %(page)s""", params).fetchall()
         for row in rows:
-            yield shaped(row)
+            yield shaped(row, limits)
         if len(rows) < page:
             return
-        after = (rows[-1][3], rows[-1][0])
+        after = (-rows[-1][-1] if ranked else 0, rows[-1][3], rows[-1][0])
         if left is not None:
             left -= len(rows)
 
@@ -167,10 +191,12 @@ def counts(conn) -> dict[str, Any]:
     the dead jobs purged into the history), and the live workers."""
     found = {(state, purged): n for state, purged, n in conn.execute(
         "SELECT state, purged, count(*) FROM spoolq.jobs GROUP BY state, purged")}
-    out: dict[str, Any] = {SHOWN[s]: found.get((s, False), 0) for s in SHOWN}
+    out: dict[str, Any] = {SHOWN[s]: found.get((s, False), 0) for s in ("new", "running", "failed", "dead", "done")}
     out["done_files"] = out["done"]  # every finished job is a row: nothing waits to be compacted
     out["compacted"] = 0
     out["dead_purged"] = found.get(("dead", True), 0)
+    out["held"] = found.get(("held", False), 0)
+    out["waiting"] = found.get(("waiting", False), 0)
     out["abandoned"] = conn.execute(f"""SELECT count(*) FROM spoolq.jobs j LEFT JOIN spoolq.workers w ON w.id = j.worker
         WHERE j.state = 'running' AND NOT (w.id IS NOT NULL AND {LIVE})""").fetchone()[0]
     out["workers"] = [{k: w.get(k) for k in ("worker", "host", "pid", "started_at", "jobs", "kinds")}

@@ -11,10 +11,11 @@ from importlib import resources
 
 from ..errors import NotASpool, SpoolError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
-# version -> the SQL that brings a schema of the version before it to it.
-MIGRATIONS: dict[int, str] = {}
+# version -> the SQL file that brings a schema of the version before it to
+# it (schema.sql makes version 1).
+MIGRATIONS: dict[int, str] = {2: "ordering.sql"}
 
 # The advisory lock class of every lock spoolq takes; (LOCK_CLASS, 0)
 # serialises inits, (LOCK_CLASS, workers.id) is a worker's liveness.
@@ -42,15 +43,14 @@ def init(conn, location: str) -> int | None:
     with conn.transaction():
         conn.execute("SELECT pg_advisory_xact_lock(%s, 0)", (LOCK_CLASS,))
         found = installed_version(conn)
+        if found is not None and found > SCHEMA_VERSION:
+            raise _newer(location, found)
         if found is None:
             conn.execute(sql("schema.sql"))
-            conn.execute("INSERT INTO spoolq.schema_version (version) VALUES (%s)", (SCHEMA_VERSION,))
-        elif found > SCHEMA_VERSION:
-            raise _newer(location, found)
-        else:
-            for version in range(found + 1, SCHEMA_VERSION + 1):
-                conn.execute(MIGRATIONS[version])
-                conn.execute("INSERT INTO spoolq.schema_version (version) VALUES (%s)", (version,))
+            conn.execute("INSERT INTO spoolq.schema_version (version) VALUES (1)")
+        for version in range((found or 1) + 1, SCHEMA_VERSION + 1):
+            conn.execute(sql(MIGRATIONS[version]))
+            conn.execute("INSERT INTO spoolq.schema_version (version) VALUES (%s)", (version,))
         conn.execute(sql("grants.sql"))
     return found
 
